@@ -1,0 +1,130 @@
+"""CheckpointSource: fills module parameters straight from checkpoint slices.
+
+Each parameter becomes ``jax.make_array_from_callback``: for every device
+shard this process holds, the callback reads exactly that shard's region of
+the stored tensors (safetensors slicing), transposes, stacks experts,
+dequantizes MXFP4 and writes the zero padding. No process ever materialises
+a whole layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from k3jax.checkpoint.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
+from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
+from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
+from k3jax.modules.params import ParamDecl
+
+
+class CheckpointSource:
+    """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``."""
+
+    def __init__(self, reader: CheckpointReader, layer: int):
+        cfg = reader.config
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise CheckpointError(f"layer {layer} is out of range: {reader.directory} has "
+                                  f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
+        self.reader = reader
+        self.layer = layer
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.prefix = layer_prefix(layer, self.is_moe)
+        self.tensors = layer_tensors(self.is_moe)
+
+    def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
+        ref = self.tensors[decl.name]
+        stored = self._check(decl, ref)
+        return jax.make_array_from_callback(
+            decl.shape, sharding, lambda index: self._read_block(decl, ref, stored, index))
+
+    # -- validation -------------------------------------------------------------
+    def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
+        """Shape of one stored tensor: unpadded, per expert, [out, in]."""
+        shape = list(decl.shape)
+        if decl.padding is not None:
+            shape[decl.padding.axis] = decl.padding.real
+        if ref.per_expert:
+            shape = shape[1:]
+        return tuple(reversed(shape)) if ref.transpose else tuple(shape)
+
+    def _check(self, decl: ParamDecl, ref: TensorRef) -> dict[int | None, bool]:
+        """Validate every stored tensor behind ``decl``; map expert -> is MXFP4."""
+        out, *rest = self._stored_shape(decl, ref)
+        experts = range(decl.shape[0]) if ref.per_expert else [None]
+        stored = {}
+        for e in experts:
+            name = ref.name(self.prefix, e)
+            if self.reader.has(name) or not ref.per_expert:
+                self.reader.check(name, (out, *rest), FLOAT_DTYPES)
+                stored[e] = False
+                continue
+            packed, scale = mxfp4_names(name)
+            if not (self.reader.has(packed) or self.reader.has(scale)):
+                raise CheckpointError(f"missing tensor {self.reader.full_name(name)} (nor its MXFP4 "
+                                      f"form {packed.rsplit('.', 1)[-1]}/_scale) in {self.reader.directory}")
+            (n_in,) = rest
+            if n_in % BLOCK_SIZE:
+                raise CheckpointError(f"tensor {self.reader.full_name(packed)}: MXFP4 needs the input "
+                                      f"width {n_in} to be a multiple of {BLOCK_SIZE}")
+            self.reader.check(packed, (out, n_in // 2), {"U8"})
+            self.reader.check(scale, (out, n_in // BLOCK_SIZE), {"U8"})
+            stored[e] = True
+        return stored
+
+    # -- reading one device block ------------------------------------------------
+    def _read_block(self, decl: ParamDecl, ref: TensorRef, stored: dict, index) -> np.ndarray:
+        ranges = [range(*s.indices(n)) for s, n in zip(index, decl.shape)]
+        block_shape = tuple(len(r) for r in ranges)
+        out = np.zeros(block_shape, dtype=np.dtype(decl.dtype))
+        keep = [slice(None)] * len(ranges)
+        src_ranges = list(ranges)
+        if decl.padding is not None:       # padded axis: real entries -> stored rows
+            ax = decl.padding.axis
+            size = decl.shape[ax]
+            src = [decl.padding.source_index(i, size) for i in ranges[ax]]
+            real = [j for j, s in enumerate(src) if s is not None]
+            if not real:
+                return out
+            src_ranges[ax] = range(src[real[0]], src[real[-1]] + 1)
+            keep[ax] = np.array(real)
+        values = self._read_logical(ref, stored, src_ranges)
+        out[tuple(keep)] = values.astype(out.dtype)
+        return out
+
+    def _read_logical(self, ref: TensorRef, stored: dict, ranges: Sequence[range]) -> np.ndarray:
+        """The unpadded parameter region ``ranges`` ([in, out] orientation)."""
+        if ref.per_expert:
+            return np.stack([self._read_2d(ref.name(self.prefix, e), stored[e], ref.transpose,
+                                           ranges[1:]) for e in ranges[0]])
+        return self._read_2d(ref.name(self.prefix), stored[None], ref.transpose, ranges)
+
+    def _read_2d(self, name: str, is_mxfp4: bool, transpose: bool, ranges) -> np.ndarray:
+        stored_ranges = list(reversed(ranges)) if transpose else list(ranges)
+        index = [slice(r.start, r.stop) for r in stored_ranges]
+        if is_mxfp4:
+            block = self._read_mxfp4(name, index)
+        else:
+            block = self.reader.read(name, index)
+        return block.T if transpose else block
+
+    def _read_mxfp4(self, name: str, index: list[slice]) -> np.ndarray:
+        """Rows ``index[0]`` and inputs ``index[1]`` of an MXFP4 weight, decoded."""
+        rows, cols = index
+        packed_name, scale_name = mxfp4_names(name)
+        first_block = cols.start // BLOCK_SIZE
+        last_block = math.ceil(cols.stop / BLOCK_SIZE)
+        packed = self.reader.read(packed_name, [rows, slice(first_block * BLOCK_SIZE // 2,
+                                                            last_block * BLOCK_SIZE // 2)])
+        scales = self.reader.read(scale_name, [rows, slice(first_block, last_block)])
+        try:
+            validate_scales(scales)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {self.reader.full_name(scale_name)}: {e}") from None
+        values = decode_mxfp4_numpy(packed, scales)
+        offset = first_block * BLOCK_SIZE
+        return values[:, cols.start - offset: cols.stop - offset]

@@ -1,0 +1,120 @@
+"""Writing checkpoints in the SPEC 3 layout: synthetic ones for tests and
+demos (``k3jax make-checkpoint``), with deterministic random weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator, Literal
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from k3jax.checkpoint.mxfp4 import encode_mxfp4
+from k3jax.checkpoint.names import (LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors,
+                                    mxfp4_names)
+from k3jax.checkpoint.reader import INDEX_FILE
+from k3jax.config import K3Config
+
+WeightDtype = Literal["float32", "bfloat16", "float16"]
+ExpertFormat = Literal["dense", "mxfp4"]
+
+
+def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat16",
+                      experts: ExpertFormat = "dense") -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor of every layer, in the stored [out, in]
+    layout. Weights are normal / sqrt(fan_in), the norm 1 + 0.1 normal, the
+    router bias 0.05 normal (float32). ``experts="mxfp4"`` stores routed
+    experts as weight_packed / weight_scale."""
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(dtype)
+    D, L, E, I, F = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
+                     cfg.moe_intermediate_size, cfg.intermediate_size)
+    S = cfg.shared_intermediate_size
+
+    def weight(out: int, inp: int) -> np.ndarray:
+        return (rng.standard_normal((out, inp), np.float32) / np.sqrt(inp)).astype(np_dtype)
+
+    for layer in range(cfg.num_hidden_layers):
+        is_moe = cfg.is_moe_layer(layer)
+        prefix = layer_prefix(layer, is_moe)
+        if not is_moe:
+            yield prefix + "gate_proj.weight", weight(F, D)
+            yield prefix + "up_proj.weight", weight(F, D)
+            yield prefix + "down_proj.weight", weight(D, F)
+            continue
+        yield prefix + "gate.weight", weight(E, D)
+        yield prefix + "gate.e_score_correction_bias", (0.05 * rng.standard_normal(E)).astype(np.float32)
+        yield prefix + "routed_expert_down_proj.weight", weight(L, D)
+        if cfg.latent_moe_use_norm:
+            yield prefix + "routed_expert_norm.weight", (
+                1 + 0.1 * rng.standard_normal(L)).astype(np_dtype)
+        yield prefix + "routed_expert_up_proj.weight", weight(D, L)
+        yield prefix + "shared_experts.gate_proj.weight", weight(S, D)
+        yield prefix + "shared_experts.up_proj.weight", weight(S, D)
+        yield prefix + "shared_experts.down_proj.weight", weight(D, S)
+        for e in range(E):
+            for w, (out, inp) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
+                name = f"{prefix}experts.{e}.{w}.weight"
+                if experts == "mxfp4":
+                    packed, scales = encode_mxfp4(rng.standard_normal((out, inp), np.float32)
+                                                  / np.sqrt(inp))
+                    packed_name, scale_name = mxfp4_names(name)
+                    yield packed_name, packed
+                    yield scale_name, scales
+                else:
+                    yield name, weight(out, inp)
+
+
+def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
+                     num_files: int = 1, language_model_prefix: bool = False,
+                     nested_config: bool = False) -> None:
+    """Write ``tensors`` ((name, array) pairs) and ``config.json`` to
+    ``directory``, split over ``num_files`` files with an index when > 1.
+    Everything is written to a temporary folder first and moved into place,
+    so a failure leaves no half-written checkpoint."""
+    directory = os.fspath(directory)
+    if os.path.exists(directory) and os.listdir(directory):
+        raise FileExistsError(f"refusing to write into non-empty directory {directory}")
+    if num_files < 1:
+        raise ValueError(f"num_files must be >= 1, got {num_files}")
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".k3jax-ckpt-", dir=parent)
+    try:
+        prefix = LANGUAGE_MODEL_PREFIX if language_model_prefix else ""
+        items = [(prefix + name, np.ascontiguousarray(a)) for name, a in tensors]
+        shards = [items[i::num_files] for i in range(num_files)]
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = ("model.safetensors" if num_files == 1
+                    else f"model-{i + 1:05d}-of-{num_files:05d}.safetensors")
+            save_file(dict(shard), os.path.join(tmp, file))
+            weight_map.update({name: file for name, _ in shard})
+        if num_files > 1:
+            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+        config = cfg.to_hf_dict()
+        if nested_config:
+            config = {"model_type": "kimi_k3", "text_config": config}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.exists(directory):
+            os.rmdir(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def make_synthetic_checkpoint(directory: str | os.PathLike, cfg: K3Config, seed: int = 0, *,
+                              dtype: WeightDtype = "bfloat16", experts: ExpertFormat = "dense",
+                              num_files: int = 1) -> None:
+    """A deterministic synthetic checkpoint of ``cfg`` in the SPEC 3 layout."""
+    write_checkpoint(directory, cfg, synthetic_tensors(cfg, seed, dtype=dtype, experts=experts),
+                     num_files=num_files)
+
+
+__all__ = ["synthetic_tensors", "write_checkpoint", "make_synthetic_checkpoint", "layer_tensors"]

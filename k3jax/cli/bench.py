@@ -1,0 +1,10 @@
+"""``k3jax bench``: placeholder until its issue lands."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="(not yet available)")
+    p.set_defaults(main=main)
+
+
+def main(args, prog: str) -> int:
+    raise SystemExit(f"{prog}: not implemented yet")

@@ -1,0 +1,101 @@
+"""Flags and set-up shared by the sub-commands: devices, the parallel layout,
+dtypes and the kernel backend."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.layout import ParallelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+
+
+class UsageError(Exception):
+    """A bad combination of flags: reported on one line, exit code 2."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("layout")
+    g.add_argument("--dp", type=positive_int, help="data-axis size (default: devices / tp)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-axis size (default 1)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split token rows over the tensor axis inside the MoE block")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="whole experts over dp x tp devices (no intermediate padding)")
+    g.add_argument("--shard-shared-expert", action="store_true", default=None,
+                   help="opt in to TP-sharding the shared expert / dense MLP under sequence "
+                        "parallelism (default: K3JAX_SHARD_SP_SHARED_EXPERT, else off)")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=positive_int,
+                   help="devices to use; simulated CPU devices when the host has fewer "
+                        "(default: dp * tp)")
+
+
+def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> ParallelConfig:
+    tp = args.tp
+    if args.dp is not None:
+        dp = args.dp
+    elif num_devices is not None:
+        if num_devices % tp:
+            raise UsageError(f"--devices {num_devices} is not divisible by --tp {tp}")
+        dp = num_devices // tp
+    else:
+        dp = 1
+    if num_devices is not None and dp * tp != num_devices:
+        raise UsageError(f"--dp {dp} x --tp {tp} = {dp * tp} does not match --devices {num_devices}")
+    try:
+        return ParallelConfig(dp=dp, tp=tp, sequence_parallel=args.sequence_parallel,
+                              expert_parallel=args.expert_parallel,
+                              shard_shared_expert=args.shard_shared_expert)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def request_devices(count: int) -> None:
+    """Before JAX's backend starts: make ``count`` CPU devices available in
+    case the host has fewer accelerators."""
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def pick_devices(count: int) -> list[jax.Device]:
+    """``count`` devices of the default backend, else simulated CPU devices."""
+    devices = jax.devices()
+    if len(devices) >= count:
+        return devices[:count] if jax.process_count() == 1 else devices
+    cpus = jax.devices("cpu")
+    if len(cpus) < count:
+        raise RuntimeError(f"{count} devices requested, {len(devices)} {jax.default_backend()} "
+                           f"and {len(cpus)} CPU devices available")
+    return cpus[:count]
+
+
+def atomic_save_npy(path: str, array) -> None:
+    """Write ``array`` to ``path`` via a temporary file: a failure leaves no file."""
+    import numpy as np
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".k3jax-", suffix=".npy", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,186 @@
+"""K3Config: the numbers that define one Kimi K3 MoE block (SPEC section 1).
+
+A frozen dataclass whose field names are the HF ``config.json`` keys of the
+``kimi_linear`` model type, so a config file maps onto it one to one.
+``from_hf_config`` accepts the flat file and the ``text_config``-nested form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class K3Config:
+    """The model's numbers. Letters used across k3jax: D = hidden_size,
+    L = routed_expert_hidden_size (latent), F = an MLP intermediate,
+    E = num_experts, K = num_experts_per_token."""
+
+    hidden_size: int = 7168
+    moe_intermediate_size: int = 3072
+    intermediate_size: int = 33792
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    num_expert_group: int = 1
+    topk_group: int = 1
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    routed_expert_hidden_size: int = 3584
+    latent_moe_use_norm: bool = True
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float | None = 25.0
+    num_hidden_layers: int = 93
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    min_moe_intermediate_per_partition: int = 256
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "hidden_size", "moe_intermediate_size", "intermediate_size",
+                        "num_experts", "num_experts_per_token", "num_shared_experts",
+                        "num_expert_group", "topk_group", "routed_expert_hidden_size",
+                        "num_hidden_layers", "moe_layer_freq",
+                        "min_moe_intermediate_per_partition")
+        if self.moe_router_activation_func != "sigmoid":
+            raise ValueError("K3Config.moe_router_activation_func: only 'sigmoid' is "
+                             f"supported, got {self.moe_router_activation_func!r}")
+        if self.hidden_act != "situ":
+            raise ValueError(f"K3Config.hidden_act: only 'situ' is supported, got {self.hidden_act!r}")
+        if self.num_experts_per_token > self.num_experts:
+            raise ValueError(f"K3Config: num_experts_per_token ({self.num_experts_per_token}) "
+                             f"exceeds num_experts ({self.num_experts})")
+        if self.num_experts % self.num_expert_group:
+            raise ValueError(f"K3Config: num_experts ({self.num_experts}) is not divisible by "
+                             f"num_expert_group ({self.num_expert_group})")
+        if not 1 <= self.topk_group <= self.num_expert_group:
+            raise ValueError(f"K3Config: topk_group ({self.topk_group}) must lie in "
+                             f"[1, num_expert_group={self.num_expert_group}]")
+        if self.num_expert_group > 1:
+            per_group = self.num_experts // self.num_expert_group
+            if per_group < 2:
+                raise ValueError("K3Config: grouped top-k scores a group by its two best "
+                                 f"experts, but a group holds {per_group}")
+            if self.topk_group * per_group < self.num_experts_per_token:
+                raise ValueError(f"K3Config: topk_group={self.topk_group} groups of {per_group} "
+                                 f"experts cannot supply num_experts_per_token="
+                                 f"{self.num_experts_per_token}")
+        if self.activation_situ_beta <= 0:
+            raise ValueError("K3Config.activation_situ_beta must be > 0")
+        if self.activation_situ_linear_beta is not None and self.activation_situ_linear_beta <= 0:
+            raise ValueError("K3Config.activation_situ_linear_beta must be > 0 or None")
+
+    # Derived sizes -------------------------------------------------------
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the one MLP that holds all shared experts: I x num_shared_experts."""
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_hidden_layers - self.num_moe_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer ``layer`` holds a MoE block (else the dense MLP)."""
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer {layer} is out of range: the model has "
+                             f"{self.num_hidden_layers} layers (0..{self.num_hidden_layers - 1})")
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The flat ``config.json`` form (model_type kimi_linear)."""
+        return {"model_type": "kimi_linear", **dataclasses.asdict(self)}
+
+    def replace(self, **changes: Any) -> "K3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_positive(cfg: K3Config, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"K3Config.{name} must be a positive integer, got {value!r}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(K3Config)}
+_INT_FIELDS = {name for name, f in _FIELDS.items() if f.type == "int"}
+
+
+def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
+    """Build a K3Config from an HF config: a dict, a ``config.json`` path, or a
+    checkpoint directory holding one. Accepts the flat kimi_linear keys and the
+    form nested under ``text_config``. Unknown keys are ignored; absent keys
+    take the K3 defaults (``min_moe_intermediate_per_partition`` is absent in
+    K3's own file)."""
+    if isinstance(source, Mapping):
+        raw = dict(source)
+        origin = "config dict"
+    else:
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        origin = path
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{origin}: expected a JSON object")
+    if isinstance(raw.get("text_config"), Mapping):
+        raw = dict(raw["text_config"])
+    values = {}
+    for name, value in raw.items():
+        if name not in _FIELDS:
+            continue
+        if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        values[name] = value
+    if "hidden_size" not in values:
+        raise ValueError(f"{origin}: no 'hidden_size' key (neither flat nor under 'text_config')")
+    try:
+        return K3Config(**values)
+    except ValueError as e:
+        raise ValueError(f"{origin}: {e}") from None
+
+
+K3 = K3Config()
+"""The full-size Kimi K3 text model."""
+
+TINY = K3Config(
+    hidden_size=96,
+    moe_intermediate_size=64,
+    intermediate_size=160,
+    num_experts=16,
+    num_experts_per_token=4,
+    num_shared_experts=2,
+    routed_expert_hidden_size=64,
+    num_hidden_layers=3,
+    min_moe_intermediate_per_partition=16,
+)
+"""Same structure as K3 at sizes that run in seconds on a CPU. Its
+``min_moe_intermediate_per_partition`` of 16 makes the padding rule bite at
+tp = 8 (64 / 8 = 8 < 16), as 256 does for K3 at 16 shards."""
+
+TINY_GROUPED = TINY.replace(num_expert_group=4, topk_group=2)
+"""TINY with grouped top-k active (4 groups of 4 experts, keep 2)."""
+
+PRESETS: dict[str, K3Config] = {"k3": K3, "tiny": TINY, "tiny-grouped": TINY_GROUPED}
+
+
+def preset(name: str) -> K3Config:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None

@@ -1,0 +1,375 @@
+"""Placement, decided once: mesh axes, the shared-expert gate, the padding rule,
+and a ``Layout`` value that every module and the planner read (SPEC 4 and 5).
+
+Mesh axes (the only place they are named): ``DATA`` and ``TENSOR``.
+
+Token rows are split over ``token_axes``: (DATA, TENSOR) under sequence
+parallelism, else (DATA,) (the tensor axis then holds every row of its data
+group). The three layouts of an MLP and of the routed experts:
+
+    MlpMode.REPLICATED   full weights; each device runs its own rows; no collective
+    MlpMode.SP_SHARDED   gate/up columns and down rows split over TENSOR;
+                         all-gather rows -> partial MLP -> reduce-scatter rows
+    MlpMode.TP           same split, rows replicated over TENSOR; all-reduce
+
+    MoEMode.LOCAL        every expert whole on every device
+    MoEMode.TP           each expert's intermediate split over TENSOR (padded);
+                         the routed latent is summed before the RMSNorm
+    MoEMode.EP           whole experts over (DATA, TENSOR); no padding; rows
+                         are all-gathered and the routed latent reduce-scattered
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from typing import Sequence
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax.config import K3Config
+
+DATA = "data"
+TENSOR = "tensor"
+MESH_AXES = (DATA, TENSOR)
+SHARD_SHARED_EXPERT_ENV = "K3JAX_SHARD_SP_SHARED_EXPERT"
+
+
+# --------------------------------------------------------------------------
+# ParallelConfig and the mesh
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the block is spread over a (dp, tp) mesh.
+
+    shard_shared_expert: opt-in TP sharding of the shared expert and dense MLP
+      under sequence parallelism; None reads ``K3JAX_SHARD_SP_SHARED_EXPERT``
+      (``1`` turns it on; default off).
+    pad_under_ep: reproduce vLLM's pre-fix behaviour (padding applied under EP).
+      For side-by-side comparisons only; the padding is zeros, so outputs agree.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    expert_parallel: bool = False
+    shard_shared_expert: bool | None = None
+    pad_under_ep: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig: sequence_parallel needs tp > 1 "
+                             "(it splits tokens over the tensor axis)")
+        if self.expert_parallel and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError("ParallelConfig: expert_parallel with tp > 1 needs "
+                             "sequence_parallel (tokens must be split over every expert axis)")
+        if self.pad_under_ep and not self.expert_parallel:
+            raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: dp x tp under EP, else 1."""
+        return self.num_devices if self.expert_parallel else 1
+
+    @property
+    def shard_shared_expert_requested(self) -> bool:
+        """The opt-in, resolved: the explicit bool, else the environment variable."""
+        if self.shard_shared_expert is not None:
+            return self.shard_shared_expert
+        raw = os.environ.get(SHARD_SHARED_EXPERT_ENV, "0").strip()
+        if raw not in ("", "0", "1"):
+            raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
+        return raw == "1"
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}"]
+        if self.sequence_parallel:
+            parts.append("sequence-parallel")
+        if self.expert_parallel:
+            parts.append(f"expert-parallel (ep={self.ep})")
+        if self.shard_shared_expert_requested:
+            parts.append("shard-shared-expert requested")
+        if self.pad_under_ep:
+            parts.append("pad-under-ep (pre-fix behaviour)")
+        return ", ".join(parts)
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, tp) mesh over ``devices``.
+
+    By default it uses every device of every process; a single process with
+    more devices than dp * tp takes the first dp * tp (handy on a CPU with 8
+    simulated devices). Axis types are Auto: the modules place weights and
+    tokens with explicit NamedShardings and shard_map in_specs themselves.
+    """
+    if devices is None:
+        devices = jax.devices()
+        if jax.process_count() == 1 and len(devices) > parallel.num_devices:
+            devices = devices[:parallel.num_devices]
+    devices = list(devices)
+    if len(devices) != parallel.num_devices:
+        raise ValueError(f"dp * tp = {parallel.dp} * {parallel.tp} = {parallel.num_devices} "
+                         f"but {len(devices)} devices are available ({jax.default_backend()}); "
+                         f"on the CPU simulate more with --devices / jax_num_cpu_devices")
+    return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
+    """The mesh's shape without devices: for planning full-size layouts."""
+    return AbstractMesh((parallel.dp, parallel.tp), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * 2)
+
+
+# --------------------------------------------------------------------------
+# The gate (SPEC section 4) and the padding rule (SPEC section 5)
+# --------------------------------------------------------------------------
+class MlpMode(enum.Enum):
+    REPLICATED = "replicated"
+    SP_SHARDED = "sp-sharded"
+    TP = "tensor-parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpLayout:
+    """Placement of one SiTU-GLU MLP (the dense layer-0 MLP or the shared expert).
+
+    weight_axes: the mesh axes that split the intermediate F ((): replicated).
+    gate_DF / up_DF / down_FD: the weights' PartitionSpecs.
+    reason: why this mode was chosen (printed by the CLI).
+    """
+
+    mode: MlpMode
+    hidden: int
+    intermediate: int
+    weight_axes: tuple[str, ...]
+    reason: str
+
+    @property
+    def gate_DF(self) -> P:
+        return P(None, self.weight_axes or None)
+
+    @property
+    def up_DF(self) -> P:
+        return self.gate_DF
+
+    @property
+    def down_FD(self) -> P:
+        return P(self.weight_axes or None, None)
+
+    @property
+    def param_specs(self) -> dict[str, P]:
+        return {"gate_DF": self.gate_DF, "up_DF": self.up_DF, "down_FD": self.down_FD}
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """Collectives one forward issues, over TENSOR."""
+        return {MlpMode.REPLICATED: (),
+                MlpMode.SP_SHARDED: ("all-gather", "reduce-scatter"),
+                MlpMode.TP: ("all-reduce",)}[self.mode]
+
+
+def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpLayout:
+    """THE gate: the layout (and so the weights' mesh axes) of an MLP.
+
+    Under sequence parallelism (SPEC 4):
+        shard = enabled and tp > 1 and intermediate % tp == 0 and hidden % tp == 0
+    and the MLP stays replicated otherwise. Without SP and with tp > 1 the MLP is
+    plain tensor-parallel (this needs intermediate % tp == 0). Serves the shared
+    expert and the dense layer-0 MLP alike.
+    """
+    tp = parallel.tp
+    if parallel.sequence_parallel:
+        if not parallel.shard_shared_expert_requested:
+            return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+                             "sequence parallel, sharding not requested (opt-in)")
+        if intermediate % tp or hidden % tp:
+            return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+                             f"sharding requested but hidden {hidden} / intermediate "
+                             f"{intermediate} is not divisible by tp={tp}")
+        return MlpLayout(MlpMode.SP_SHARDED, hidden, intermediate, (TENSOR,),
+                         f"sequence parallel, sharded over tp={tp}")
+    if tp == 1:
+        return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+                         "no tensor parallelism" + (" (sharding needs sequence parallel)"
+                                                    if parallel.shard_shared_expert_requested else ""))
+    if intermediate % tp:
+        raise ValueError(f"tensor parallel MLP: intermediate size {intermediate} is not "
+                         f"divisible by tp={tp}")
+    return MlpLayout(MlpMode.TP, hidden, intermediate, (TENSOR,),
+                     f"tensor parallel over tp={tp}")
+
+
+def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: int) -> int:
+    """SPEC 5: the routed-expert intermediate after padding, for ``shards``
+    devices splitting each expert's intermediate (1 under EP)."""
+    if shards > 1 and intermediate // shards < min_per_partition:
+        return min_per_partition * shards
+    return intermediate
+
+
+# --------------------------------------------------------------------------
+# The MoE layout
+# --------------------------------------------------------------------------
+class MoEMode(enum.Enum):
+    LOCAL = "local"
+    TP = "tensor-parallel"
+    EP = "expert-parallel"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Everything placement-related for one K3 layer, decided once.
+
+    Modules and the planner read it; neither re-derives anything in it.
+    """
+
+    cfg: K3Config
+    parallel: ParallelConfig
+    dense_mlp: MlpLayout
+    shared_mlp: MlpLayout
+    moe_mode: MoEMode
+    expert_shards: int          # devices splitting one expert's intermediate
+    padded_moe_intermediate: int
+
+    # -- token rows --------------------------------------------------------
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return MESH_AXES if self.parallel.sequence_parallel else (DATA,)
+
+    @property
+    def row_shards(self) -> int:
+        """How many blocks the token rows are cut into (T is padded to a multiple)."""
+        return self.parallel.num_devices if self.parallel.sequence_parallel else self.parallel.dp
+
+    @property
+    def x_TD(self) -> P:
+        return P(self.token_axes, None)
+
+    # -- routed experts --------------------------------------------------------
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """Axes that hold different experts: under EP the token axes (every
+        axis of size > 1, as EP with tp > 1 requires sequence parallelism)."""
+        return self.token_axes if self.moe_mode is MoEMode.EP else ()
+
+    @property
+    def local_experts(self) -> int:
+        return self.cfg.num_experts // (self.parallel.ep)
+
+    @property
+    def w13_ELF(self) -> P:
+        if self.moe_mode is MoEMode.EP:
+            return P(self.expert_axes, None, None)
+        if self.moe_mode is MoEMode.TP:
+            return P(None, None, TENSOR)
+        return P()
+
+    @property
+    def w2_EFL(self) -> P:
+        if self.moe_mode is MoEMode.EP:
+            return P(self.expert_axes, None, None)
+        if self.moe_mode is MoEMode.TP:
+            return P(None, TENSOR, None)
+        return P()
+
+    def moe_param_specs(self) -> dict[str, P]:
+        """PartitionSpec of every MoE parameter (shared expert under ``shared.``).
+        Router, latent projections and norm are replicated."""
+        specs = {"router_DE": P(), "router_bias_E": P(), "lat_down_DL": P(),
+                 "lat_norm_L": P(), "lat_up_LD": P(),
+                 "w1_ELF": self.w13_ELF, "w3_ELF": self.w13_ELF, "w2_EFL": self.w2_EFL}
+        specs.update({f"shared.{k}": v for k, v in self.shared_mlp.param_specs.items()})
+        return specs
+
+    @property
+    def dispatch_axes(self) -> tuple[str, ...]:
+        """Axes over which token rows are all-gathered before the routed experts
+        and their latent reduce-scattered after: every axis under EP, TENSOR
+        for a tensor-parallel MoE under SP, none otherwise (plain TP holds all
+        rows already and all-reduces instead)."""
+        if self.moe_mode is MoEMode.EP:
+            return self.expert_axes
+        if self.moe_mode is MoEMode.TP and self.parallel.sequence_parallel:
+            return (TENSOR,)
+        return ()
+
+    # -- overlap contract -------------------------------------------------------
+    @property
+    def shared_overlaps_routed(self) -> bool:
+        """May the shared expert run concurrently with the routed experts?
+
+        vLLM switches its shared/routed stream overlap off for a sharded shared
+        expert because the expert issues collectives of its own, and two streams
+        issuing collectives can deadlock. In one SPMD XLA program every device
+        issues collectives in the same compiled order, so that hazard does not
+        exist: the shared expert is an independent branch that XLA may overlap,
+        in every layout but one. Under plain TP the shared expert's partial sum
+        is folded into the routed path's all-reduce (one all-reduce for both),
+        so it is fused rather than overlapped.
+        """
+        return self.shared_mlp.mode is not MlpMode.TP
+
+    def describe(self) -> str:
+        lines = [f"parallel: {self.parallel.describe()}",
+                 f"token rows split over {self.token_axes} into {self.row_shards} blocks",
+                 f"dense MLP: {self.dense_mlp.mode.value} ({self.dense_mlp.reason})",
+                 f"shared expert: {self.shared_mlp.mode.value} ({self.shared_mlp.reason})",
+                 f"routed experts: {self.moe_mode.value}, {self.local_experts} per device, "
+                 f"intermediate {self.cfg.moe_intermediate_size} -> padded "
+                 f"{self.padded_moe_intermediate} over {self.expert_shards} shard(s)",
+                 f"shared expert may overlap routed work: {self.shared_overlaps_routed}"]
+        return "\n".join(lines)
+
+
+def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
+    """Decide the layout of one K3 layer on a (dp, tp) mesh, with clear errors
+    for what the mesh cannot hold."""
+    if parallel.expert_parallel:
+        moe_mode = MoEMode.EP
+        if cfg.num_experts % parallel.ep:
+            raise ValueError(f"expert parallel: num_experts {cfg.num_experts} is not divisible "
+                             f"by the EP size dp*tp = {parallel.ep}")
+        shards = 1
+        padding_shards = parallel.ep if parallel.pad_under_ep else 1
+    elif parallel.tp > 1:
+        moe_mode = MoEMode.TP
+        shards = padding_shards = parallel.tp
+        if cfg.moe_intermediate_size % shards:
+            raise ValueError(f"tensor parallel MoE: moe_intermediate_size "
+                             f"{cfg.moe_intermediate_size} is not divisible by tp={shards}")
+    else:
+        moe_mode = MoEMode.LOCAL
+        shards = padding_shards = 1
+    padded = padded_moe_intermediate(cfg.moe_intermediate_size, padding_shards,
+                                     cfg.min_moe_intermediate_per_partition)
+    return Layout(cfg=cfg, parallel=parallel,
+                  dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size),
+                  shared_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.shared_intermediate_size),
+                  moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded)
+
+
+def shard_shape(mesh: Mesh | AbstractMesh, spec: P, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-device block of an array of ``shape`` placed with ``spec``."""
+    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
+
+
+def padded_rows(num_tokens: int, row_shards: int) -> int:
+    """T rounded up to a multiple of the row blocks (SPEC 4: L = ceil(T / shards))."""
+    return math.ceil(num_tokens / row_shards) * row_shards
+
+
+__all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "MlpMode", "MlpLayout", "MoEMode",
+           "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
+           "abstract_mesh", "shard_shape", "padded_rows"]

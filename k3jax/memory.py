@@ -1,0 +1,40 @@
+"""Per-device parameter bytes, read from a module's placed (or abstract) arrays.
+
+The planner and ``k3jax run`` both use this, so the bytes a plan reports are
+the bytes the modules allocate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+
+def param_shard_bytes(module: nnx.Module) -> dict[str, int]:
+    """{"shared.gate_DF": bytes, ...}: one device's share of each parameter.
+    Works on real arrays and on ShapeDtypeStructs that carry a sharding."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        value = var.get_value()
+        shape = value.sharding.shard_shape(tuple(value.shape))
+        out[".".join(map(str, path))] = math.prod(shape) * np.dtype(value.dtype).itemsize
+    return out
+
+
+def addressable_bytes_per_device(module: nnx.Module) -> dict[jax.Device, int]:
+    """Bytes of parameter shards actually resident on each local device."""
+    totals: dict[jax.Device, int] = {}
+    for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        for shard in var.get_value().addressable_shards:
+            totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
+    return totals
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

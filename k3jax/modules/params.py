@@ -1,0 +1,126 @@
+"""How a module declares its parameters, and the sources that fill them.
+
+A module lists ``ParamDecl`` values (global shape, dtype, PartitionSpec,
+padding). A ``ParamSource`` turns one declaration into an array placed with
+its NamedSharding: random values (``RandomSource``), abstract shapes for the
+planner (``AbstractSource``), or checkpoint slices (k3jax.checkpoint).
+Construction therefore has one path, whatever fills the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+
+
+class Init(enum.Enum):
+    """What random values suit a parameter."""
+
+    WEIGHT = "weight"   # normal / sqrt(fan_in)
+    NORM = "norm"       # 1 + 0.1 * normal
+    BIAS = "bias"       # 0.05 * normal
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """``blocks`` equal blocks along ``axis``; each holds ``real // blocks``
+    real entries at its front and zeros after them (SPEC 5)."""
+
+    axis: int
+    blocks: int
+    real: int
+
+    def real_mask(self, size: int) -> np.ndarray:
+        """bool [size]: True where an entry along ``axis`` is real."""
+        block = size // self.blocks
+        return (np.arange(size) % block) < self.real // self.blocks
+
+    def source_index(self, padded_index: int, size: int) -> int | None:
+        """Index into the unpadded tensor for a padded index, None for padding."""
+        block = size // self.blocks
+        shard, offset = divmod(padded_index, block)
+        per_shard = self.real // self.blocks
+        return shard * per_shard + offset if offset < per_shard else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDecl:
+    """One parameter: ``name`` is its path in the module ("shared.gate_DF")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+    spec: P
+    init: Init = Init.WEIGHT
+    fan_in: int = 1
+    padding: Padding | None = None
+
+
+class ParamSource(Protocol):
+    def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array | jax.ShapeDtypeStruct:
+        """An array of ``decl.shape`` and ``decl.dtype`` placed with ``sharding``."""
+
+
+class AbstractSource:
+    """Shapes and shardings only: nothing is allocated (for the planner)."""
+
+    def __call__(self, decl, sharding):
+        return jax.ShapeDtypeStruct(decl.shape, decl.dtype, sharding=sharding)
+
+
+class RandomSource:
+    """Fresh random values, generated directly into their shards; padding is zero."""
+
+    def __init__(self, seed: int = 0):
+        self._key = jax.random.key(seed)
+        self._count = 0
+
+    def __call__(self, decl, sharding):
+        self._count += 1
+        key = jax.random.fold_in(self._key, self._count)
+        make = jax.jit(lambda k: _random_values(k, decl), out_shardings=sharding)
+        return make(key)
+
+
+def _random_values(key, decl: ParamDecl):
+    """Values of the unpadded parameter, spread into the padded one, so the
+    same seed gives the same logical weights in every layout."""
+    shape = list(decl.shape)
+    if decl.padding is not None:
+        shape[decl.padding.axis] = decl.padding.real
+    z = jax.random.normal(key, shape, jnp.float32)
+    if decl.init is Init.WEIGHT:
+        v = z / math.sqrt(decl.fan_in)
+    elif decl.init is Init.NORM:
+        v = 1.0 + 0.1 * z
+    else:
+        v = 0.05 * z
+    if decl.padding is not None:
+        size = decl.shape[decl.padding.axis]
+        src = np.array([decl.padding.source_index(i, size) for i in range(size)], dtype=object)
+        real = np.array([s is not None for s in src])
+        idx = np.where(real, src, 0).astype(np.int32)
+        v = jnp.take(v, idx, axis=decl.padding.axis)
+        bshape = [size if a == decl.padding.axis else 1 for a in range(len(shape))]
+        v = jnp.where(real.reshape(bshape), v, 0.0)
+    return v.astype(decl.dtype)
+
+
+def make_params(module: nnx.Module, decls: list[ParamDecl], mesh: Mesh | AbstractMesh,
+                source: ParamSource) -> None:
+    """Create ``module.<name> = nnx.Param(source(decl))`` for each declaration."""
+    for decl in decls:
+        sharding = NamedSharding(mesh, decl.spec)
+        value = source(decl, sharding)
+        if tuple(value.shape) != tuple(decl.shape) or value.dtype != decl.dtype:
+            raise ValueError(f"parameter {decl.name}: source gave {value.dtype}{list(value.shape)}, "
+                             f"expected {jnp.dtype(decl.dtype)}{list(decl.shape)}")
+        setattr(module, decl.name.rsplit(".", 1)[-1], nnx.Param(value))

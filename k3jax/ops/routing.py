@@ -1,0 +1,47 @@
+"""The router: sigmoid scores, bias for selection only, (grouped) top-k,
+renormalize, scale (SPEC section 2). Always float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import K3Config
+
+
+def route(x_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: K3Config,
+          valid_T: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x_TD [T, D], router_DE [D, E], bias_E [E] -> (ids_TK int32, weights_TK float32).
+
+    Rows where ``valid_T`` is False (sequence-parallel padding) are routed to
+    no expert: their ids are ``num_experts`` (out of range) and weights 0.
+    """
+    logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    biased_TE = scores_TE + bias_E.astype(jnp.float32)
+    if cfg.num_expert_group > 1:
+        biased_TE = _mask_to_best_groups(biased_TE, cfg.num_expert_group, cfg.topk_group)
+    _, ids_TK = jax.lax.top_k(biased_TE, cfg.num_experts_per_token)
+    weights_TK = jnp.take_along_axis(scores_TE, ids_TK, axis=-1)
+    if cfg.moe_renormalize:
+        weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+    weights_TK = weights_TK * cfg.routed_scaling_factor
+    ids_TK = ids_TK.astype(jnp.int32)
+    if valid_T is not None:
+        ids_TK = jnp.where(valid_T[:, None], ids_TK, cfg.num_experts)
+        weights_TK = jnp.where(valid_T[:, None], weights_TK, 0.0)
+    return ids_TK, weights_TK
+
+
+def _mask_to_best_groups(biased_TE: jax.Array, groups: int, keep: int) -> jax.Array:
+    """DeepSeek-V3 noaux_tc: score each of ``groups`` contiguous expert groups
+    by the sum of its two best biased scores, keep the ``keep`` best groups,
+    set every other expert to -inf."""
+    T, E = biased_TE.shape
+    grouped_TGX = biased_TE.reshape(T, groups, E // groups)
+    group_score_TG = jnp.sum(jax.lax.top_k(grouped_TGX, 2)[0], axis=-1)
+    _, best_TG = jax.lax.top_k(group_score_TG, keep)
+    kept_TG = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], best_TG].set(True)
+    masked_TGX = jnp.where(kept_TG[:, :, None], grouped_TGX, -jnp.inf)
+    return masked_TGX.reshape(T, E)

@@ -1,0 +1,31 @@
+"""Torch reference of the K3 MLP / MoE block (the optional ``torch`` extra).
+
+Written from the SPEC math only, independent of the JAX implementation, for
+cross-checking k3jax. Needs torch: ``pip install k3jax[torch]``.
+"""
+
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without torch
+    raise ImportError("k3jax.reference needs torch; install the extra: "
+                      "pip install 'k3jax[torch]'") from e
+
+from k3jax.reference.torch_reference import (
+    TorchKimiMLP,
+    TorchKimiMoE,
+    decode_mxfp4_torch,
+    load_layer_from_safetensors,
+    rms_norm,
+    route,
+    situ_glu,
+)
+
+__all__ = [
+    "TorchKimiMLP",
+    "TorchKimiMoE",
+    "decode_mxfp4_torch",
+    "load_layer_from_safetensors",
+    "rms_norm",
+    "route",
+    "situ_glu",
+]

@@ -1,0 +1,17 @@
+"""Pallas Mosaic GPU (Hopper, sm_90) kernels for k3jax, with XLA references.
+
+Public API (each takes backend="auto" | "xla" | "pallas" | "interpret"):
+  grouped_matmul(x_MK, w_GKN, group_sizes_G)                       -> y_MN
+  grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, ...) -> h_MN
+  situ_mlp_up(x_TD, gate_DF, up_DF, ...)                           -> h_TF
+  situ_glu(gate, up, beta=..., linear_beta=...)   the one SiTU-GLU definition
+  resolve_backend(backend)
+"""
+
+from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
+from pallas_kernels.situ import situ_glu
+from pallas_kernels.situ_mlp.api import situ_mlp_up
+
+__all__ = ["Backend", "resolve_backend", "grouped_matmul", "grouped_situ_glu",
+           "situ_glu", "situ_mlp_up"]

@@ -1,0 +1,83 @@
+"""Public grouped-matmul entry points: validate shapes, then dispatch on backend.
+
+"xla" -> reference.py (jax.lax.ragged_dot), "pallas" -> mosaic_sm90.py on a
+Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
+"auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.grouped_matmul import mosaic_sm90, reference
+from pallas_kernels.situ import check_betas
+
+
+def _check_ndim(name: str, a, ndim: int) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+
+
+def _check_floating(name: str, a) -> None:
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype, got {a.dtype}")
+
+
+def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> None:
+    """Raise ValueError naming the argument when shapes/dtypes do not fit."""
+    _check_ndim("x_MK", x_MK, 2)
+    _check_ndim(w_name, w_GKN, 3)
+    _check_ndim("group_sizes_G", group_sizes_G, 1)
+    _check_floating("x_MK", x_MK)
+    _check_floating(w_name, w_GKN)
+    if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+        raise ValueError(f"group_sizes_G must be an integer array, got {group_sizes_G.dtype}")
+    if x_MK.shape[1] != w_GKN.shape[1]:
+        raise ValueError(
+            f"x_MK K={x_MK.shape[1]} != {w_name} K={w_GKN.shape[1]} "
+            f"(x_MK {x_MK.shape}, {w_name} {w_GKN.shape})")
+    if group_sizes_G.shape[0] != w_GKN.shape[0]:
+        raise ValueError(
+            f"group_sizes_G length {group_sizes_G.shape[0]} != {w_name} G={w_GKN.shape[0]}")
+
+
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
+                   backend: Backend = "auto") -> jax.Array:
+    """y_MN = x_MK @ w_GKN[g] for rows of group g (rows sorted by group).
+
+    x_MK [M, K], w_GKN [G, K, N], group_sizes_G int [G] (traced ok, sum <= M).
+    Returns [M, N] in x's dtype, accumulated in f32; rows >= sum(group_sizes) are 0.
+    """
+    validate_grouped(x_MK, w_GKN, group_sizes_G)
+    impl = resolve_backend(backend)
+    group_sizes_G = group_sizes_G.astype(jnp.int32)
+    if impl == "xla":
+        return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
+                                      interpret=impl == "interpret")
+
+
+def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array,
+                     group_sizes_G: jax.Array, *, beta: float, linear_beta: float | None,
+                     backend: Backend = "auto") -> jax.Array:
+    """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) per row's group, fused on "pallas".
+
+    x_MK [M, K], w_gate_GKN / w_up_GKN [G, K, N], group_sizes_G int [G].
+    Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0.
+    """
+    validate_grouped(x_MK, w_gate_GKN, group_sizes_G, w_name="w_gate_GKN")
+    validate_grouped(x_MK, w_up_GKN, group_sizes_G, w_name="w_up_GKN")
+    if w_gate_GKN.shape != w_up_GKN.shape:
+        raise ValueError(
+            f"w_gate_GKN shape {w_gate_GKN.shape} != w_up_GKN shape {w_up_GKN.shape}")
+    check_betas(beta, linear_beta)
+    impl = resolve_backend(backend)
+    group_sizes_G = group_sizes_G.astype(jnp.int32)
+    if impl == "xla":
+        return reference.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                          beta=beta, linear_beta=linear_beta)
+    return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                        beta=beta, linear_beta=linear_beta,
+                                        interpret=impl == "interpret")

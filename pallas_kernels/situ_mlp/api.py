@@ -1,0 +1,41 @@
+"""Public fused MLP up-projection (gate/up + SiTU-GLU); down stays in the caller.
+
+Dispatch: "xla" -> reference.py, "pallas" -> mosaic_sm90.py, "interpret" ->
+mosaic_sm90.py in GPU interpret mode, "auto" -> "pallas" on sm_90 else "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.situ import check_betas
+from pallas_kernels.situ_mlp import mosaic_sm90, reference
+
+
+def validate_mlp(x_TD, gate_DF, up_DF) -> None:
+    """Raise ValueError naming the argument when shapes/dtypes do not fit."""
+    for name, a in (("x_TD", x_TD), ("gate_DF", gate_DF), ("up_DF", up_DF)):
+        if a.ndim != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {a.shape}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype, got {a.dtype}")
+    if gate_DF.shape != up_DF.shape:
+        raise ValueError(f"gate_DF shape {gate_DF.shape} != up_DF shape {up_DF.shape}")
+    if x_TD.shape[1] != gate_DF.shape[0]:
+        raise ValueError(
+            f"x_TD D={x_TD.shape[1]} != gate_DF D={gate_DF.shape[0]} "
+            f"(x_TD {x_TD.shape}, gate_DF {gate_DF.shape})")
+
+
+def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: float,
+                linear_beta: float | None, backend: Backend = "auto") -> jax.Array:
+    """h_TF = situ_glu(x_TD @ gate_DF, x_TD @ up_DF); [T, D] x [D, F] -> [T, F], x dtype."""
+    validate_mlp(x_TD, gate_DF, up_DF)
+    check_betas(beta, linear_beta)
+    impl = resolve_backend(backend)
+    if impl == "xla":
+        return reference.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
+    return mosaic_sm90.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta,
+                                   interpret=impl == "interpret")

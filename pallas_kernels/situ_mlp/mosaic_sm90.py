@@ -1,0 +1,30 @@
+"""Hopper (sm_90) fused gate/up projection + SiTU-GLU for the dense/shared MLP.
+
+The dense MLP is the grouped kernel with a single group holding every row: the
+schedule table is then a compile-time constant (cdiv(T, block_m) full-width
+items), so this reuses the grouped kernel's pipeline, two-accumulator WGMMA
+and in-register SiTU epilogue (pallas_kernels/grouped_matmul/mosaic_sm90.py)
+instead of duplicating them. Adding the G axis to the weights is a free
+reshape. Dtype policy (f32 inputs run the WGMMA in bf16) is the grouped one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
+
+# Dense shapes: D = 7168 (K), F = 6144 / tp (N: 6144, 3072, 1536, 768, ...).
+# Same tiles as the fused MoE kernel: two 64x128 f32 accumulators, 4 stages.
+DENSE_CONFIG = grouped.FUSED_CONFIG
+
+
+def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: float,
+                linear_beta: float | None, config: grouped.TileConfig = DENSE_CONFIG,
+                interpret: bool | grouped.plgpu.InterpretGPUParams = False) -> jax.Array:
+    """x_TD [T, D], gate_DF / up_DF [D, F] -> h_TF [T, F] = situ_glu(x@gate, x@up)."""
+    all_rows_1 = jnp.full((1,), x_TD.shape[0], jnp.int32)
+    return grouped.grouped_situ_glu(x_TD, gate_DF[None], up_DF[None], all_rows_1,
+                                    beta=beta, linear_beta=linear_beta, config=config,
+                                    interpret=interpret)

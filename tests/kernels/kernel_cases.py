@@ -1,0 +1,135 @@
+"""Shared test base for tests/kernels: inputs, group patterns, independent
+float64 numpy references and the comparison helpers every kernel test uses.
+
+Comparisons are relative: max |out - ref| / max |ref| (NaN anywhere -> inf, so
+NaN never passes).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _REPO_ROOT not in sys.path:  # pallas_kernels importable however pytest is launched
+    sys.path.insert(0, _REPO_ROOT)
+
+BETA, LINEAR_BETA = 4.0, 25.0  # K3's activation_situ_beta / activation_situ_linear_beta
+
+# Tolerances on rel_err. f32: the XLA path computes in f32. bf16: the kernel's
+# inputs and output are bf16 (the Mosaic path also runs f32 inputs as bf16).
+TOL_F32 = 1e-5
+TOL_BF16 = 1e-2
+
+
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| in float64; inf when either holds a NaN/inf."""
+    out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out64.shape != ref64.shape:
+        raise AssertionError(f"shape {out64.shape} != reference shape {ref64.shape}")
+    if not (np.all(np.isfinite(out64)) and np.all(np.isfinite(ref64))):
+        return float("inf")
+    scale = max(float(np.max(np.abs(ref64), initial=0.0)), 1e-30)
+    return float(np.max(np.abs(out64 - ref64), initial=0.0)) / scale
+
+
+def assert_close(out, ref, tol: float, what: str = "") -> None:
+    """Fail unless rel_err(out, ref) <= tol (NaN never passes)."""
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
+
+
+def assert_grouped_output(out_MN, ref_MN, group_sizes, tol: float, what: str = "") -> None:
+    """No NaN anywhere, rows >= sum(sizes) exactly 0, valid rows match ref."""
+    out = np.asarray(out_MN, np.float64)
+    total = int(np.sum(group_sizes))
+    assert not np.isnan(out).any(), f"{what}: NaN in output (unwritten or leaked rows)"
+    assert np.all(out[total:] == 0.0), f"{what}: rows >= {total} are not exact zeros"
+    if total:
+        assert_close(out[:total], np.asarray(ref_MN, np.float64)[:total], tol, what)
+
+
+def normal(key, shape, dtype, scale: float = 1.0) -> jax.Array:
+    """N(0, scale^2) array of the given dtype (generated in f32, then cast)."""
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def grouped_inputs(seed: int, m: int, k: int, n: int, g: int, dtype, num_weights: int = 1):
+    """x [m, k] ~ N(0, 1) and num_weights weights [g, k, n] ~ N(0, 1/k) (O(1) outputs)."""
+    keys = jax.random.split(jax.random.key(seed), 1 + num_weights)
+    x = normal(keys[0], (m, k), dtype)
+    ws = [normal(kk, (g, k, n), dtype, scale=k ** -0.5) for kk in keys[1:]]
+    return x, ws
+
+
+def group_pattern(name: str, m: int, g: int) -> np.ndarray:
+    """int32 [g] group sizes for a named pattern over m rows."""
+    if name == "uniform":
+        sizes = np.full(g, m // g)
+        sizes[: m - sizes.sum()] += 1
+    elif name == "zeros_skewed":  # empty first/last/every other group + one big group
+        sizes = np.zeros(g, np.int64)
+        sizes[2:g - 1:2] = 3
+        sizes[1] = m - sizes.sum()
+    elif name == "one_group_all":
+        sizes = np.zeros(g, np.int64)
+        sizes[g // 2] = m
+    elif name == "sum_lt_m":  # trailing rows belong to no group and must be 0
+        sizes = np.full(g, (m * 3 // 5) // g)
+        sizes[0] += 1
+    elif name == "all_empty":
+        sizes = np.zeros(g, np.int64)
+    else:
+        raise ValueError(name)
+    assert sizes.sum() <= m and (sizes >= 0).all(), (name, sizes)
+    return sizes.astype(np.int32)
+
+
+def poison_tail(x_MK: jax.Array, group_sizes) -> jax.Array:
+    """x with every row >= sum(group_sizes) set to NaN."""
+    total = int(np.sum(group_sizes))
+    rows = jnp.arange(x_MK.shape[0])[:, None]
+    return jnp.where(rows >= total, jnp.nan, x_MK).astype(x_MK.dtype)
+
+
+def np_situ_glu(gate, up, beta: float = BETA, linear_beta: float | None = LINEAR_BETA):
+    """float64 numpy SiTU-GLU straight from SPEC section 2."""
+    gate, up = np.asarray(gate, np.float64), np.asarray(up, np.float64)
+    gate_act = beta * np.tanh(gate / beta) / (1.0 + np.exp(-gate))
+    up_act = up if linear_beta is None else linear_beta * np.tanh(up / linear_beta)
+    return gate_act * up_act
+
+
+def np_grouped_matmul(x, w, group_sizes) -> np.ndarray:
+    """float64 loop over groups; rows past sum(group_sizes) stay 0."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x64.shape[0], w64.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        for r in range(start, start + int(size)):
+            out[r] = x64[r] @ w64[g]
+        start += int(size)
+    return out
+
+
+def np_grouped_situ_glu(x, w_gate, w_up, group_sizes, beta=BETA, linear_beta=LINEAR_BETA):
+    """float64 reference of the fused grouped gate/up + SiTU-GLU."""
+    gate = np_grouped_matmul(x, w_gate, group_sizes)
+    up = np_grouped_matmul(x, w_up, group_sizes)
+    return np_situ_glu(gate, up, beta, linear_beta)  # situ(0, 0) == 0 keeps the tail 0
+
+
+def f32(a) -> jax.Array:
+    """Upcast to float32 (the reference sees exactly the kernel's input values)."""
+    return jnp.asarray(a).astype(jnp.float32)
+
+
+def lower_for_sm90(fn, *arg_specs) -> str:
+    """Lower fn for the CUDA platform on any host (runs the Mosaic GPU Python
+    pipeline: Pallas lowering, layout inference, SMEM budget check for sm_90)."""
+    traced = jax.jit(fn).trace(*arg_specs)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -1,0 +1,212 @@
+"""grouped_matmul / grouped_situ_glu: Mosaic kernel (GPU interpret mode on the
+CPU) vs the XLA reference, the reference vs a float64 numpy loop, the work-item
+schedule, sm_90 lowering at K3 shapes, dispatch and shape validation."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_cases as kc  # noqa: E402
+
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90, reference  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SITU = dict(beta=kc.BETA, linear_beta=kc.LINEAR_BETA)
+
+# (m, k, n, g, pattern, dtype, poison). K3 aspect ratios at small scale: a wide
+# K to a narrower N (latent -> intermediate) and back (down). Cases sharing a
+# shape reuse one compiled executable (group sizes are traced): interpret mode
+# is slow, so the list is short and shapes repeat.
+PLAIN_CASES = [
+    (96, 128, 96, 4, "zeros_skewed", BF16, False),
+    (96, 128, 96, 4, "sum_lt_m", BF16, True),
+    (96, 128, 96, 4, "one_group_all", BF16, False),
+    (96, 128, 96, 4, "all_empty", BF16, True),
+    (50, 96, 128, 3, "uniform", F32, False),
+    (200, 32, 32, 3, "zeros_skewed", BF16, True),  # one group spans 4 M-blocks
+]
+FUSED_CASES = [
+    (100, 112, 96, 4, "zeros_skewed", BF16, False),  # K = 7 x 16: block_k falls to 16
+    (100, 112, 96, 4, "sum_lt_m", BF16, True),
+    (70, 96, 128, 3, "uniform", F32, False),
+    (70, 96, 128, 3, "one_group_all", F32, True),
+]
+
+# Module-level jits so cases with equal shapes hit the compilation cache.
+_plain_interpret = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))
+_fused_interpret = jax.jit(
+    lambda x, wg, wu, s: grouped_situ_glu(x, wg, wu, s, backend="interpret", **SITU))
+
+
+def _case_id(case) -> str:
+    m, k, n, g, pattern, dtype, poison = case
+    return f"{m}x{k}x{n}_g{g}_{pattern}_{jnp.dtype(dtype).name}" + ("_nan" if poison else "")
+
+
+def _inputs(case, num_weights):
+    m, k, n, g, pattern, dtype, poison = case
+    x, ws = kc.grouped_inputs(m + k + n + g, m, k, n, g, dtype, num_weights)
+    sizes = kc.group_pattern(pattern, m, g)
+    if poison:
+        x = kc.poison_tail(x, sizes)
+    return x, ws, sizes
+
+
+# Tolerance is bf16 for every Mosaic case: bf16 inputs, and f32 inputs run the
+# WGMMA in bf16 by design (see mosaic_sm90.py).
+@pytest.mark.parametrize("case", PLAIN_CASES, ids=_case_id)
+def test_grouped_matmul_interpret_matches_reference(case):
+    x, (w,), sizes = _inputs(case, 1)
+    out = _plain_interpret(x, w, jnp.asarray(sizes))
+    ref = reference.grouped_matmul(kc.f32(x), kc.f32(w), jnp.asarray(sizes))
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[2])
+    kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, _case_id(case))
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_case_id)
+def test_grouped_situ_glu_interpret_matches_reference(case):
+    x, (wg, wu), sizes = _inputs(case, 2)
+    out = _fused_interpret(x, wg, wu, jnp.asarray(sizes))
+    ref = reference.grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), jnp.asarray(sizes), **SITU)
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], wg.shape[2])
+    kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, _case_id(case))
+
+
+def test_interpret_race_detector_finds_no_races():
+    """GPU interpret mode's happens-before race detector over SMEM/TMA traffic
+    (this run also covers linear_beta=None and a non-default beta)."""
+    races_mod = pytest.importorskip(
+        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    x, (wg, wu), sizes = _inputs((100, 32, 64, 3, "zeros_skewed", BF16, False), 2)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = mosaic_sm90.grouped_situ_glu(x, wg, wu, jnp.asarray(sizes), beta=2.0,
+                                       linear_beta=None, interpret=params)
+    out.block_until_ready()
+    assert not races_mod.get_races().races_found
+    ref = kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes, 2.0, None)
+    kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, "race-detector run")
+
+
+def test_interpret_inside_shard_map_with_traced_group_sizes():
+    """Kernel is a plain jittable function: shard_map over experts, traced sizes."""
+    x, (w,), sizes = _inputs((64, 32, 32, 2, "sum_lt_m", BF16, True), 1)
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+    fn = jax.jit(jax.shard_map(lambda a, b, s: grouped_matmul(a, b, s, backend="interpret"),
+                               mesh=mesh, in_specs=(P(), P("ep"), P("ep")), out_specs=P()))
+    out = fn(x, w, jnp.asarray(sizes))
+    kc.assert_grouped_output(out, kc.np_grouped_matmul(kc.f32(x), kc.f32(w), sizes), sizes,
+                             kc.TOL_BF16, "shard_map")
+
+
+@pytest.mark.parametrize("pattern", ["zeros_skewed", "sum_lt_m", "uniform", "one_group_all"])
+def test_reference_matches_float64_numpy_loop(pattern):
+    m, k, n, g = 37, 24, 40, 5
+    x, (wg, wu), _ = _inputs((m, k, n, g, pattern, F32, False), 2)
+    sizes = kc.group_pattern(pattern, m, g)
+    x = kc.poison_tail(x, sizes)
+    y = reference.grouped_matmul(x, wg, jnp.asarray(sizes))
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(x, wg, sizes), sizes, kc.TOL_F32, pattern)
+    h = reference.grouped_situ_glu(x, wg, wu, jnp.asarray(sizes), **SITU)
+    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, wg, wu, sizes), sizes, kc.TOL_F32,
+                             pattern)
+
+
+@pytest.mark.parametrize("block_m", [8, 64])
+def test_work_items_cover_every_row_exactly_once(block_m):
+    rng = np.random.default_rng(block_m)
+    for m, g in [(1, 1), (63, 5), (64, 3), (65, 11), (300, 7)]:
+        table = jax.jit(lambda s: mosaic_sm90.work_items_4W(s, m, block_m))
+        for trial in range(8):
+            cuts = np.sort(rng.integers(0, m + 1, size=g))  # sum(sizes) = cuts[-1] <= m
+            if trial == 0:
+                cuts[:] = m  # every row in the first group
+            sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+            meta = np.asarray(table(jnp.asarray(sizes)))
+            assert meta.shape == (4, mosaic_sm90.num_work_items(m, g, block_m))
+            owner = np.full(m, -2)
+            for group, block, offset, count in meta.T:
+                assert 0 <= count <= block_m and offset + count <= block_m
+                rows = block * block_m + offset + np.arange(count)
+                assert (owner[rows] == -2).all(), (sizes, "row covered twice")
+                owner[rows] = group
+            expected = np.concatenate([np.repeat(np.arange(g), sizes),
+                                       np.full(m - sizes.sum(), -1)])
+            np.testing.assert_array_equal(owner, expected, err_msg=str(sizes))
+
+
+@pytest.mark.parametrize("num_groups", [112, 56, 28])  # K3 local experts at EP 8 / 16 / 32
+def test_lowers_for_sm90_at_k3_shapes(num_groups):
+    """Mosaic GPU lowering + layout inference + the 227 KiB SMEM budget (no GPU needed)."""
+    S = jax.ShapeDtypeStruct
+    sizes = S((num_groups,), jnp.int32)
+    for m in (100, 4096):
+        fused = kc.lower_for_sm90(
+            lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="pallas", **SITU),
+            S((m, 3584), BF16), S((num_groups, 3584, 3072), BF16),
+            S((num_groups, 3584, 3072), BF16), sizes)
+        plain = kc.lower_for_sm90(lambda x, w, s: grouped_matmul(x, w, s, backend="pallas"),
+                                  S((m, 3072), BF16), S((num_groups, 3072, 3584), BF16), sizes)
+        assert "mosaic_gpu" in fused and "mosaic_gpu" in plain
+
+
+def test_smem_budget_of_chosen_configs():
+    limit = 227 * 1024
+    assert mosaic_sm90.FUSED_CONFIG.smem_bytes(2, 2, 2) <= limit
+    assert mosaic_sm90.PLAIN_CONFIG.smem_bytes(1, 2, 2) <= limit
+    too_deep = mosaic_sm90.TileConfig(max_concurrent_steps=8)
+    assert too_deep.smem_bytes(2, 2, 2) > limit
+    S = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="shared memory"):
+        kc.lower_for_sm90(
+            lambda x, a, b, s: mosaic_sm90.grouped_situ_glu(x, a, b, s, config=too_deep, **SITU),
+            S((256, 3584), BF16), S((8, 3584, 3072), BF16), S((8, 3584, 3072), BF16),
+            S((8,), jnp.int32))
+
+
+def test_backend_dispatch():
+    assert resolve_backend("xla") == "xla"
+    assert resolve_backend("interpret") == "interpret"
+    assert resolve_backend("pallas") == "pallas"
+    expected_auto = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if jax.default_backend() != "gpu":
+        assert resolve_backend("auto") == expected_auto
+    with pytest.raises(ValueError, match="'triton'"):
+        resolve_backend("triton")
+    x, (w,), sizes = _inputs((16, 8, 8, 2, "uniform", F32, False), 1)
+    with pytest.raises(ValueError, match="'cuda'"):
+        grouped_matmul(x, w, jnp.asarray(sizes), backend="cuda")
+
+
+def test_shape_validation():
+    x = jnp.zeros((16, 8))
+    w = jnp.zeros((2, 8, 4))
+    sizes = jnp.array([8, 8], jnp.int32)
+    with pytest.raises(ValueError, match="x_MK K=8 != w_GKN K=6"):
+        grouped_matmul(x, jnp.zeros((2, 6, 4)), sizes, backend="xla")
+    with pytest.raises(ValueError, match="group_sizes_G length 3 != w_GKN G=2"):
+        grouped_matmul(x, w, jnp.array([4, 4, 8], jnp.int32), backend="xla")
+    with pytest.raises(ValueError, match="x_MK must be 2-D"):
+        grouped_matmul(jnp.zeros((2, 16, 8)), w, sizes, backend="xla")
+    with pytest.raises(ValueError, match="w_GKN must be 3-D"):
+        grouped_matmul(x, jnp.zeros((8, 4)), sizes, backend="xla")
+    with pytest.raises(ValueError, match="group_sizes_G must be 1-D"):
+        grouped_matmul(x, w, sizes[None], backend="xla")
+    with pytest.raises(ValueError, match="group_sizes_G must be an integer"):
+        grouped_matmul(x, w, sizes.astype(jnp.float32), backend="xla")
+    with pytest.raises(ValueError, match="w_gate_GKN shape .* != w_up_GKN shape"):
+        grouped_situ_glu(x, w, jnp.zeros((2, 8, 5)), sizes, backend="xla", **SITU)
+    with pytest.raises(ValueError, match="x_MK K=8 != w_up_GKN K=6"):
+        grouped_situ_glu(x, w, jnp.zeros((2, 6, 4)), sizes, backend="xla", **SITU)
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        grouped_situ_glu(x, w, w, sizes, beta=0.0, linear_beta=None, backend="xla")

@@ -1,0 +1,72 @@
+"""situ_mlp_up: Mosaic kernel (GPU interpret mode) vs XLA reference, reference
+vs float64 numpy, sm_90 lowering at K3 dense shapes, dispatch and validation."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_cases as kc  # noqa: E402
+
+from pallas_kernels import situ_mlp_up  # noqa: E402
+from pallas_kernels.situ_mlp import reference  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SITU = dict(beta=kc.BETA, linear_beta=kc.LINEAR_BETA)
+
+
+def _inputs(seed, t, d, f, dtype):
+    kx, kg, ku = jax.random.split(jax.random.key(seed), 3)
+    return (kc.normal(kx, (t, d), dtype), kc.normal(kg, (d, f), dtype, d ** -0.5),
+            kc.normal(ku, (d, f), dtype, d ** -0.5))
+
+
+# (T, D, F, dtype): T not a multiple of the 64-row block, D wide -> F narrower
+# (the shared expert's 7168 -> 6144/tp at small scale), and f32 inputs.
+@pytest.mark.parametrize("t,d,f,dtype", [(70, 128, 96, BF16), (40, 96, 128, F32)])
+def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
+    x, gate, up = _inputs(t + d + f, t, d, f, dtype)
+    out = jax.jit(lambda a, b, c: situ_mlp_up(a, b, c, backend="interpret", **SITU))(x, gate, up)
+    assert out.shape == (t, f) and out.dtype == dtype
+    ref = reference.situ_mlp_up(kc.f32(x), kc.f32(gate), kc.f32(up), **SITU)
+    kc.assert_close(out, ref, kc.TOL_BF16, f"interpret {t}x{d}x{f}")
+
+
+def test_reference_matches_float64_numpy():
+    x, gate, up = _inputs(3, 33, 40, 24, F32)
+    out = reference.situ_mlp_up(x, gate, up, **SITU)
+    x64, g64, u64 = (np.asarray(a, np.float64) for a in (x, gate, up))
+    kc.assert_close(out, kc.np_situ_glu(x64 @ g64, x64 @ u64), kc.TOL_F32, "xla vs f64")
+    out_none = reference.situ_mlp_up(x, gate, up, beta=1.5, linear_beta=None)
+    kc.assert_close(out_none, kc.np_situ_glu(x64 @ g64, x64 @ u64, 1.5, None), kc.TOL_F32,
+                    "linear_beta=None")
+
+
+@pytest.mark.parametrize("f", [6144, 768])  # shared expert width, unsharded and at tp=8
+def test_lowers_for_sm90_at_k3_shapes(f):
+    S = jax.ShapeDtypeStruct
+    for t in (8, 2048):
+        text = kc.lower_for_sm90(lambda a, b, c: situ_mlp_up(a, b, c, backend="pallas", **SITU),
+                                 S((t, 7168), BF16), S((7168, f), BF16), S((7168, f), BF16))
+        assert "mosaic_gpu" in text
+
+
+def test_validation_and_dispatch():
+    x, gate, up = jnp.zeros((4, 8)), jnp.zeros((8, 6)), jnp.zeros((8, 6))
+    with pytest.raises(ValueError, match="x_TD D=8 != gate_DF D=7"):
+        situ_mlp_up(x, jnp.zeros((7, 6)), jnp.zeros((7, 6)), backend="xla", **SITU)
+    with pytest.raises(ValueError, match="gate_DF shape .* != up_DF shape"):
+        situ_mlp_up(x, gate, jnp.zeros((8, 5)), backend="xla", **SITU)
+    with pytest.raises(ValueError, match="x_TD must be 2-D"):
+        situ_mlp_up(x[None], gate, up, backend="xla", **SITU)
+    with pytest.raises(ValueError, match="'gpu'"):
+        situ_mlp_up(x, gate, up, backend="gpu", **SITU)
+    if jax.default_backend() != "gpu":  # "auto" is the XLA path on the CPU
+        np.testing.assert_array_equal(situ_mlp_up(x + 1, gate + 1, up + 1, **SITU),
+                                      reference.situ_mlp_up(x + 1, gate + 1, up + 1, **SITU))

@@ -1,0 +1,224 @@
+"""MXFP4 codec (k3jax.checkpoint.mxfp4) against an independent bit-level decoder."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.checkpoint.mxfp4 import (
+    E2M1_VALUES,
+    decode_mxfp4,
+    decode_mxfp4_numpy,
+    encode_mxfp4,
+    validate_scales,
+)
+
+F32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+F32_MIN_NORMAL = 2.0 ** -126
+
+
+def bit_decode_element(code: int, scale_byte: int) -> float:
+    """One E2M1 element times its UE8M0 scale, from the bits, as the float32
+    value the codec promises (flush below 2**-126, inf beyond float32)."""
+    sign = -1.0 if (code >> 3) & 1 else 1.0
+    exponent = (code >> 1) & 0b11          # bits 1-2, bias 1
+    mantissa = code & 0b1                  # bit 0
+    if exponent == 0:                      # subnormal: 0 or 0.5
+        magnitude = 0.5 * mantissa
+    else:
+        magnitude = 2.0 ** (exponent - 1) * (1.0 + 0.5 * mantissa)
+    if scale_byte == 255:
+        return math.nan
+    value = sign * magnitude * 2.0 ** (scale_byte - 127)   # exact in float64
+    if abs(value) < F32_MIN_NORMAL:
+        return math.copysign(0.0, sign)
+    if abs(value) > F32_MAX:
+        return math.copysign(math.inf, sign)
+    return value
+
+
+def bit_decode(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Element-by-element pure-Python decoder: [R, n/2], [R, n/32] -> float32 [R, n]."""
+    rows, half = packed.shape
+    out = np.empty((rows, 2 * half), np.float32)
+    for r in range(rows):
+        for j in range(half):
+            byte = int(packed[r, j])
+            for nib, code in ((0, byte & 0xF), (1, byte >> 4)):
+                i = 2 * j + nib
+                out[r, i] = bit_decode_element(code, int(scales[r, i // 32]))
+    return out
+
+
+def bits_equal(a, b) -> bool:
+    """Bitwise float32 equality (so -0.0 != 0.0), NaN matching NaN."""
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    if a.shape != b.shape:
+        return False
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b))
+                and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
+
+
+@pytest.fixture(scope="module")
+def all_codes_all_scales():
+    """packed [32, 256] with every byte value (so all 16 codes in both nibbles),
+    scales [32, 16] covering every UE8M0 byte 0..255 twice."""
+    rng = np.random.default_rng(1234)
+    packed = rng.integers(0, 256, (32, 256), dtype=np.uint8)
+    packed[0] = np.arange(256, dtype=np.uint8)
+    packed[1] = rng.permutation(256).astype(np.uint8)
+    scales = rng.permutation(np.tile(np.arange(256, dtype=np.uint8), 2)).reshape(32, 16)
+    assert set(np.unique(packed & 0xF)) == set(range(16))
+    assert set(np.unique(packed >> 4)) == set(range(16))
+    return packed, scales
+
+
+def test_table_matches_bits():
+    assert E2M1_VALUES.dtype == np.float32 and E2M1_VALUES.shape == (16,)
+    for code in range(16):
+        assert bits_equal(E2M1_VALUES[code], bit_decode_element(code, 127)), code
+    assert sorted(set(np.abs(E2M1_VALUES).tolist())) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+
+
+def test_decoders_match_bit_level(all_codes_all_scales):
+    packed, scales = all_codes_all_scales
+    want = bit_decode(packed, scales)
+    assert np.isnan(want).any() and np.isinf(want).any()      # edge bytes are covered
+    got_np = decode_mxfp4_numpy(packed, scales)
+    got_jax = decode_mxfp4(packed, scales)
+    got_jit = jax.jit(decode_mxfp4)(jnp.asarray(packed), jnp.asarray(scales))
+    assert got_np.dtype == np.float32 and got_jax.dtype == jnp.float32
+    assert bits_equal(got_np, want)
+    assert bits_equal(got_jax, want)
+    assert bits_equal(got_jit, want)
+
+
+def test_low_nibble_is_even_element():
+    packed = np.zeros((1, 16), np.uint8)
+    packed[0, 0] = 0x71                 # low nibble 1 (0.5), high nibble 7 (6.0)
+    packed[0, 15] = 0x2F                # low nibble 15 (-6.0), high nibble 2 (1.0)
+    scales = np.full((1, 1), 128, np.uint8)                   # scale 2
+    out = decode_mxfp4_numpy(packed, scales)[0]
+    assert out[0] == 1.0 and out[1] == 12.0 and out[30] == -12.0 and out[31] == 2.0
+    assert np.count_nonzero(out) == 4
+    assert bits_equal(decode_mxfp4(packed, scales)[0], out)
+
+
+def test_decode_leading_dims_and_bf16():
+    rng = np.random.default_rng(7)
+    packed = rng.integers(0, 256, (3, 5, 32), dtype=np.uint8)
+    scales = rng.integers(100, 160, (3, 5, 2), dtype=np.uint8)
+    f32 = decode_mxfp4_numpy(packed, scales)
+    assert f32.shape == (3, 5, 64)
+    want = bit_decode(packed.reshape(15, 32), scales.reshape(15, 2)).reshape(3, 5, 64)
+    assert bits_equal(f32, want)
+    bf16 = jax.jit(lambda p, s: decode_mxfp4(p, s, dtype=jnp.bfloat16))(packed, scales)
+    assert bf16.dtype == jnp.bfloat16 and bf16.shape == (3, 5, 64)
+    assert bits_equal(np.asarray(bf16.astype(jnp.float32)), f32)    # lossless in bf16
+
+
+def test_round_trip_representable():
+    rng = np.random.default_rng(99)
+    packed = rng.integers(0, 256, (64, 64), dtype=np.uint8)
+    scales = rng.integers(0, 253, (64, 4), dtype=np.uint8)   # 253/254 can overflow float32
+    # blocks whose largest magnitude is each of the 8 possible values
+    for row in range(16):
+        hi = row % 8
+        packed[row] = (rng.integers(0, hi + 1, 64) | (rng.integers(0, hi + 1, 64) << 4)).astype(np.uint8)
+    packed[16] = 0
+    decoded = decode_mxfp4_numpy(packed, scales)
+    assert np.all(np.isfinite(decoded))
+    p2, s2 = encode_mxfp4(decoded)
+    assert p2.shape == packed.shape and s2.shape == scales.shape
+    assert p2.dtype == np.uint8 and s2.dtype == np.uint8
+    again = decode_mxfp4_numpy(p2, s2)
+    assert np.array_equal(again, decoded)
+    assert bits_equal(decode_mxfp4(p2, s2), again)
+    # bf16 / jax inputs encode the same way
+    p3, s3 = encode_mxfp4(jnp.asarray(decoded[:, :32], jnp.bfloat16))
+    assert np.array_equal(decode_mxfp4_numpy(p3, s3), decoded[:, :32])
+
+
+def test_encode_rounding_rules():
+    # amax 6 -> shared exponent floor(log2 6) - 2 = 0 -> scale byte 127
+    x = np.zeros((1, 32))
+    vals = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, -2.6, 5.1, 0.1, -0.2, -1.0]
+    x[0, :len(vals)] = vals
+    packed, scales = encode_mxfp4(x)
+    assert scales[0, 0] == 127
+    out = decode_mxfp4_numpy(packed, scales)[0, :len(vals)]
+    # ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
+    assert out.tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, -3.0, 6.0, 0.0, 0.0, -1.0]
+    assert not np.signbit(out[12])          # -0.2 rounds to +0 (canonical zero)
+    # saturation: amax 7.5 keeps exponent 0, so 7.5 clamps to 6
+    packed, scales = encode_mxfp4(np.full((1, 32), -7.5))
+    assert scales[0, 0] == 127 and np.all(decode_mxfp4_numpy(packed, scales) == -6.0)
+    # an all-zero block
+    packed, scales = encode_mxfp4(np.zeros((2, 64)))
+    assert np.all(packed == 0) and np.all(decode_mxfp4_numpy(packed, scales) == 0)
+
+
+def test_encode_is_nearest_on_its_grid():
+    """Brute force: each element is the nearest of the block's 15 grid values."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 64)) * np.exp2(rng.integers(-20, 20, (8, 1)))
+    packed, scales = encode_mxfp4(x)
+    out = decode_mxfp4_numpy(packed, scales).astype(np.float64)
+    for r in range(8):
+        for b in range(2):
+            block = x[r, 32 * b:32 * (b + 1)]
+            expo = math.frexp(np.max(np.abs(block)))[1] - 1 - 2
+            assert int(scales[r, b]) == expo + 127
+            grid = E2M1_VALUES.astype(np.float64) * 2.0 ** expo
+            for i, v in enumerate(block):
+                best = np.min(np.abs(grid - v))
+                assert abs(out[r, 32 * b + i] - v) == best
+    rel = np.linalg.norm(out - x) / np.linalg.norm(x)
+    assert 0.02 < rel < 0.2                  # 4-bit quantization error, not zero
+
+
+def test_scale_255_is_nan_and_validate_scales():
+    packed = np.full((1, 16), 0x22, np.uint8)
+    scales = np.array([[255]], np.uint8)
+    assert np.all(np.isnan(decode_mxfp4_numpy(packed, scales)))
+    assert np.all(np.isnan(np.asarray(decode_mxfp4(packed, scales))))
+    with pytest.raises(ValueError, match="255"):
+        validate_scales(np.array([[1, 2], [255, 7]], np.uint8))
+    validate_scales(np.arange(255, dtype=np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        validate_scales(np.arange(4, dtype=np.int32))
+
+
+@pytest.mark.parametrize("decode", [decode_mxfp4, decode_mxfp4_numpy, jax.jit(decode_mxfp4)],
+                         ids=["jnp", "numpy", "jit"])
+def test_decode_shape_errors(decode):
+    p = np.zeros((4, 16), np.uint8)
+    s = np.zeros((4, 1), np.uint8)
+    with pytest.raises(ValueError, match="packed codes must be uint8"):
+        decode(p.astype(np.int8), s)
+    with pytest.raises(ValueError, match="scales must be uint8"):
+        decode(p, s.astype(np.float32))
+    with pytest.raises(ValueError, match="n/32"):
+        decode(p, np.zeros((4, 2), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode(np.zeros((4, 8), np.uint8), np.zeros((4, 1), np.uint8))
+    with pytest.raises(ValueError, match="leading dims"):
+        decode(p, np.zeros((3, 1), np.uint8))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        decode(np.zeros((), np.uint8), np.zeros((), np.uint8))
+
+
+def test_encode_errors():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        encode_mxfp4(np.ones((2, 48)))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        encode_mxfp4(np.full((1, 32), np.inf))
+    with pytest.raises(ValueError, match="floating"):
+        encode_mxfp4(np.ones((1, 32), np.int32))
