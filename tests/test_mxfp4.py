@@ -1,4 +1,4 @@
-"""MXFP4 codec (k3jax.checkpoint.mxfp4) against an independent bit-level decoder."""
+"""MXFP4 codec (k3jax.ops.mxfp4) against an independent bit-level decoder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.mxfp4 import (
+from k3jax.ops.mxfp4 import (
     E2M1_VALUES,
     decode_mxfp4,
     decode_mxfp4_numpy,

@@ -8,7 +8,7 @@ import safetensors.numpy
 import torch
 from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
+from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
 from k3jax.config import TINY, TINY_GROUPED
 from k3jax.reference import (
     TorchKimiMLP,

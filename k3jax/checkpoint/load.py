@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -12,15 +13,27 @@ from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer
+from k3jax.modules.moe import ExpertStorage
+
+Mxfp4Mode = Literal["packed", "dequantize"]
 
 
 def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
                parallel: ParallelConfig = ParallelConfig(), mesh=None, *,
-               dtype=jnp.float32, backend: Backend = "auto") -> KimiMLP | KimiMoE:
+               dtype=jnp.float32, backend: Backend = "auto",
+               mxfp4: Mxfp4Mode = "packed") -> KimiMLP | KimiMoE:
     """Layer ``layer`` (0 = dense MLP, >= 1 = MoE for K3) of a checkpoint
-    directory, each device's shard read straight from the files."""
+    directory, each device's shard read straight from the files.
+
+    MXFP4 routed experts stay packed in device memory (``mxfp4="packed"``,
+    0.53125 B per parameter, dequantized in the forward) or are dequantized
+    to ``dtype`` on load (``"dequantize"``)."""
+    if mxfp4 not in ("packed", "dequantize"):
+        raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     source = CheckpointSource(reader, layer)
     layout = make_layout(reader.config, parallel)
     mesh = make_mesh(parallel) if mesh is None else mesh
-    return build_layer(layout, layer, mesh, source=source, dtype=dtype, backend=backend)
+    packed = source.experts_are_mxfp4 and mxfp4 == "packed"
+    return build_layer(layout, layer, mesh, source=source, dtype=dtype, backend=backend,
+                       experts=ExpertStorage.MXFP4 if packed else ExpertStorage.DENSE)

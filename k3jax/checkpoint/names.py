@@ -24,6 +24,7 @@ class TensorRef:
     suffix: str
     transpose: bool
     per_expert: bool = False
+    packed: bool = False      # raw MXFP4 bytes (weight_packed / weight_scale), read as uint8
 
     def name(self, prefix: str, expert: int | None = None) -> str:
         return prefix + (self.suffix.format(e=expert) if self.per_expert else self.suffix)
@@ -47,6 +48,8 @@ MOE_TENSORS: dict[str, TensorRef] = {
     "w3_ELF": TensorRef("experts.{e}.w3.weight", True, per_expert=True),
     "w2_EFL": TensorRef("experts.{e}.w2.weight", True, per_expert=True),
     **mlp_tensors("shared.", "shared_experts."),
+    **{f"{w}_{part}_{axes}": TensorRef(f"experts.{{e}}.{w}.weight_{part}", True, True, packed=True)
+       for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL")) for part in ("packed", "scale")},
 }
 
 

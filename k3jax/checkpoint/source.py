@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from k3jax.checkpoint.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
+from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
@@ -26,6 +26,7 @@ class CheckpointSource:
     """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``."""
 
     def __init__(self, reader: CheckpointReader, layer: int):
+        """Raises CheckpointError for a layer index out of range."""
         cfg = reader.config
         if not 0 <= layer < cfg.num_hidden_layers:
             raise CheckpointError(f"layer {layer} is out of range: {reader.directory} has "
@@ -35,6 +36,12 @@ class CheckpointSource:
         self.is_moe = cfg.is_moe_layer(layer)
         self.prefix = layer_prefix(layer, self.is_moe)
         self.tensors = layer_tensors(self.is_moe)
+
+    @property
+    def experts_are_mxfp4(self) -> bool:
+        """Whether this (MoE) layer stores its routed experts as MXFP4."""
+        return self.is_moe and self.reader.has(mxfp4_names(self.tensors["w1_ELF"].name(
+            self.prefix, 0))[0])
 
     def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
         ref = self.tensors[decl.name]
@@ -59,6 +66,10 @@ class CheckpointSource:
         stored = {}
         for e in experts:
             name = ref.name(self.prefix, e)
+            if ref.packed:
+                self.reader.check(name, (out, *rest), {"U8"})
+                stored[e] = False
+                continue
             if self.reader.has(name) or not ref.per_expert:
                 self.reader.check(name, (out, *rest), FLOAT_DTYPES)
                 stored[e] = False

@@ -12,7 +12,7 @@ from typing import Iterator, Literal
 import numpy as np
 from safetensors.numpy import save_file
 
-from k3jax.checkpoint.mxfp4 import encode_mxfp4
+from k3jax.ops.mxfp4 import encode_mxfp4
 from k3jax.checkpoint.names import (LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors,
                                     mxfp4_names)
 from k3jax.checkpoint.reader import INDEX_FILE

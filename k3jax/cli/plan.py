@@ -1,10 +1,141 @@
-"""``k3jax plan``: placeholder until its issue lands."""
+"""``k3jax plan``: per-device weight bytes and one MoE forward's collectives,
+planned from the modules built abstractly (no devices, nothing allocated)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from k3jax.cli.common import UsageError, add_parallel_flags, parallel_from_args, positive_int
+from k3jax.config import PRESETS
+
+DEFAULT_TOKENS = 256
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="(not yet available)")
+    p = sub.add_parser("plan", help="per-device memory and collectives of a layout",
+                       description="Plan the per-device weight bytes (summed over all layers) and "
+                                   "the collectives of one MoE-layer forward for a layout. Dtypes "
+                                   "follow the published checkpoint by default: routed experts "
+                                   "MXFP4 (0.53125 B/param), everything else BF16, router bias "
+                                   "float32.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="CONFIG.json",
+                     help="an HF config.json (flat or text_config-nested), or a checkpoint directory")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+    add_parallel_flags(p)
+    p.add_argument("--pad-under-ep", action="store_true",
+                   help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
+                   help=f"global tokens of the MoE forward whose collectives are sized "
+                        f"(default {DEFAULT_TOKENS})")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of every weight but the routed experts and the router bias, and of "
+                        "the activations (default bfloat16)")
+    p.add_argument("--expert-dtype", choices=("mxfp4", "bfloat16", "float32"), default="mxfp4",
+                   help="storage of the routed experts (default mxfp4)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(main=main)
 
 
-def main(args, prog: str) -> int:
-    raise SystemExit(f"{prog}: not implemented yet")
+def main(args: argparse.Namespace, prog: str) -> int:
+    try:
+        plan = _plan(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json())
+    else:
+        print_plan(plan)
+    return 0
+
+
+def _plan(args: argparse.Namespace):
+    from k3jax.config import from_hf_config, preset
+    from k3jax.plan import make_plan
+
+    try:
+        if args.config:
+            cfg, source = from_hf_config(args.config), f"config {args.config}"
+        else:
+            name = args.preset or "k3"
+            cfg, source = preset(name), f"preset {name}"
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    parallel = parallel_from_args(args, None)
+    try:
+        if args.pad_under_ep:
+            parallel = dataclasses.replace(parallel, pad_under_ep=True)
+        return make_plan(cfg, parallel, tokens=args.tokens, dtype=args.dtype,
+                         expert_dtype=args.expert_dtype, source=source)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def print_plan(plan, file=None) -> None:
+    """The human form: a layout summary and two rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from k3jax.plan import COMPONENTS, format_gb, format_gib
+
+    console = Console(file=file or sys.stdout, width=140)
+    lay, cfg = plan.layout, plan.cfg
+    console.print(f"[bold]k3jax plan[/bold]: {plan.source}, {lay.parallel.describe()}, "
+                  f"{lay.parallel.num_devices} device(s)")
+    console.print(lay.describe(), highlight=False)
+
+    dtype_of = {"dense_mlp": plan.dtype, "shared_experts": plan.dtype,
+                "router": f"{plan.dtype} + float32 bias", "latent_projections": plan.dtype,
+                "routed_experts": plan.expert_dtype + (" (0.53125 B/param)"
+                                                       if plan.expert_dtype == "mxfp4" else "")}
+    layers = {"dense_mlp": cfg.num_dense_layers}
+    table = Table(title="Per-device weight bytes, summed over all layers")
+    for column, justify in (("component", "left"), ("dtype", "left"), ("layers", "right"),
+                            ("bytes / layer", "right"), ("bytes / device", "right"),
+                            ("GB", "right"), ("GiB", "right")):
+        table.add_column(column, justify=justify)
+    per_layer = {c: plan.per_layer_bytes.get("dense" if c == "dense_mlp" else "moe", {}).get(c, 0)
+                 for c in COMPONENTS}
+    for c in COMPONENTS:
+        b = plan.per_device_bytes[c]
+        table.add_row(c, dtype_of[c], str(layers.get(c, cfg.num_moe_layers)), f"{per_layer[c]:,}",
+                      f"{b:,}", format_gb(b), format_gib(b))
+    total = plan.per_device_bytes["total"]
+    table.add_row("total", "", str(cfg.num_hidden_layers), "", f"{total:,}", format_gb(total),
+                  format_gib(total), style="bold")
+    console.print(table)
+
+    console.print(f"padded MoE intermediate: {cfg.moe_intermediate_size} -> "
+                  f"{plan.padded_moe_intermediate_size} (min {cfg.min_moe_intermediate_per_partition} "
+                  f"per partition, {lay.expert_shards} shard(s)"
+                  + (", padding applied under EP: pre-fix behaviour" if lay.parallel.pad_under_ep else "")
+                  + ")", highlight=False)
+    cmp = plan.comparisons
+    if "shared_experts_saved" in cmp:
+        console.print(f"shared experts replicated would be {format_gib(cmp['shared_experts_if_replicated'])}"
+                      f" GiB per device; sharding saves {format_gib(cmp['shared_experts_saved'])} GiB "
+                      f"({cmp['shared_experts_saved']:,} B)", highlight=False)
+    if "routed_experts_if_padded_under_ep" in cmp:
+        console.print(f"routed experts with vLLM's pre-fix padding under EP (--pad-under-ep): "
+                      f"{format_gb(cmp['routed_experts_if_padded_under_ep'])} GB; with the fix: "
+                      f"{format_gb(plan.per_device_bytes['routed_experts'])} GB", highlight=False)
+    if "routed_experts_with_fix" in cmp:
+        console.print(f"routed experts with the fix (no padding under EP): "
+                      f"{format_gb(cmp['routed_experts_with_fix'])} GB; pre-fix (this plan): "
+                      f"{format_gb(plan.per_device_bytes['routed_experts'])} GB", highlight=False)
+
+    ctable = Table(title=f"Collectives of one MoE-layer forward, {plan.tokens} global tokens "
+                         f"(bytes = the full per-device buffer)")
+    for column, justify in (("#", "right"), ("kind", "left"), ("axis", "left"), ("group", "right"),
+                            ("what", "left"), ("shape", "left"), ("dtype", "left"),
+                            ("bytes / device", "right")):
+        ctable.add_column(column, justify=justify)
+    for i, c in enumerate(plan.collectives, 1):
+        ctable.add_row(str(i), c.kind, "+".join(c.axes), str(c.group), c.what,
+                       "x".join(map(str, c.shape)), c.dtype, f"{c.bytes:,}")
+    if not plan.collectives:
+        ctable.add_row("", "none", "", "", "every device holds what it needs", "", "", "0")
+    console.print(ctable)

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                    help="parameter and activation dtype")
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="run the forward R times and report the median time")
+    p.add_argument("--mxfp4", choices=("packed", "dequantize"), default="packed",
+                   help="MXFP4 routed experts: keep packed in device memory (0.53125 B/param, "
+                        "dequantized in the forward) or dequantize to --dtype on load")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="kernels: auto (Pallas on a Hopper GPU, else XLA), xla, pallas, interpret")
     add_device_flags(p)
@@ -97,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
         x = _load_input(args.input, cfg.hidden_size)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
-                            backend=args.backend)
+                            backend=args.backend, mxfp4=args.mxfp4)
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))

@@ -8,6 +8,12 @@ Parameters (global shapes, F = the padded MoE intermediate):
     lat_norm_L [L], lat_up_LD [L, D], w1_ELF / w3_ELF [E, L, F], w2_EFL [E, F, L],
     shared.{gate_DF, up_DF, down_FD} (a KimiMLP of width I x num_shared_experts).
 
+Routed experts are stored either dense (``ExpertStorage.DENSE``: the three
+arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
+of w1/w3/w2 a uint8 code array packed along its input axis and a UE8M0 scale
+array, e.g. w1_packed_ELF [E, L/2, F] and w1_scale_ELF [E, L/32, F]; 0.53125 B
+per parameter in device memory, dequantized inside the forward).
+
 Two per-device bodies run inside ``jax.shard_map``:
     moe_rows_local   each device routes its own rows; rows are all-gathered over
                      ``Layout.dispatch_axes``, the experts held here run, and the
@@ -20,6 +26,7 @@ Two per-device bodies run inside ``jax.shard_map``:
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import jax
@@ -34,28 +41,86 @@ from k3jax.layout import MESH_AXES, TENSOR, Layout, MoEMode
 from k3jax.modules.mlp import MLP_LOCAL, KimiMLP, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
+from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4
 from k3jax.ops.matmul import matmul
 from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
 
 
-def moe_decls(layout: Layout, dtype) -> list[ParamDecl]:
+class ExpertStorage(enum.Enum):
+    """How routed-expert weights live in device memory."""
+
+    DENSE = "dense"     # w1_ELF, w3_ELF, w2_EFL in the module dtype
+    MXFP4 = "mxfp4"     # uint8 codes + UE8M0 scales, packed along each weight's input axis
+
+
+EXPERT_WEIGHTS = ("w1_ELF", "w3_ELF", "w2_EFL")
+
+
+def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:
     """The MoE's own parameters (the shared expert declares its own)."""
     cfg = layout.cfg
-    D, L, E, I = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
-                  cfg.moe_intermediate_size)
-    F = layout.padded_moe_intermediate
+    D, L, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
     specs = layout.moe_param_specs()
-    pad = (lambda axis: Padding(axis, layout.expert_shards, I)) if F != I else (lambda axis: None)
     decls = [ParamDecl("router_DE", (D, E), dtype, specs["router_DE"], Init.WEIGHT, D),
              ParamDecl("router_bias_E", (E,), jnp.dtype(jnp.float32), specs["router_bias_E"], Init.BIAS),
              ParamDecl("lat_down_DL", (D, L), dtype, specs["lat_down_DL"], Init.WEIGHT, D),
-             ParamDecl("lat_up_LD", (L, D), dtype, specs["lat_up_LD"], Init.WEIGHT, L),
-             ParamDecl("w1_ELF", (E, L, F), dtype, specs["w1_ELF"], Init.WEIGHT, L, pad(2)),
-             ParamDecl("w3_ELF", (E, L, F), dtype, specs["w3_ELF"], Init.WEIGHT, L, pad(2)),
-             ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
+             ParamDecl("lat_up_LD", (L, D), dtype, specs["lat_up_LD"], Init.WEIGHT, L)]
     if cfg.latent_moe_use_norm:
         decls.append(ParamDecl("lat_norm_L", (L,), dtype, specs["lat_norm_L"], Init.NORM))
+    if experts is ExpertStorage.DENSE:
+        return decls + _dense_expert_decls(layout, dtype)
+    return decls + _mxfp4_expert_decls(layout)
+
+
+def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
+    cfg = layout.cfg
+    L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    F = layout.padded_moe_intermediate
+    specs = layout.moe_param_specs()
+    pad = (lambda axis: Padding(axis, layout.expert_shards, I)) if F != I else (lambda axis: None)
+    return [ParamDecl("w1_ELF", (E, L, F), dtype, specs["w1_ELF"], Init.WEIGHT, L, pad(2)),
+            ParamDecl("w3_ELF", (E, L, F), dtype, specs["w3_ELF"], Init.WEIGHT, L, pad(2)),
+            ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
+
+
+def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
+    """Packed codes (2 per byte) and scales (1 per 32) along each weight's
+    input axis: L for w1/w3 (axis 1 of [E, L, F]), F for w2 (axis 1 of [E, F, L])."""
+    cfg = layout.cfg
+    L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    F, shards = layout.padded_moe_intermediate, layout.expert_shards
+    for what, width in (("latent width", L), ("per-shard intermediate", I // shards),
+                        ("padded per-shard intermediate", F // shards)):
+        if width % BLOCK_SIZE:
+            raise ValueError(f"MXFP4 packed experts need the {what} ({width}) to be a multiple "
+                             f"of {BLOCK_SIZE}; load the experts dequantized instead")
+    specs = layout.moe_param_specs()
+    u8 = jnp.dtype(jnp.uint8)
+    decls = []
+    pad_out = Padding(2, shards, I) if F != I else None     # F is w1/w3's output axis
+    for w in ("w1", "w3"):
+        spec = specs[f"{w}_ELF"]
+        decls += [ParamDecl(f"{w}_packed_ELF", (E, L // 2, F), u8, spec, Init.MXFP4_CODES, L, pad_out),
+                  ParamDecl(f"{w}_scale_ELF", (E, L // BLOCK_SIZE, F), u8, spec, Init.MXFP4_SCALES,
+                            L, pad_out)]
+    spec = specs["w2_EFL"]
+    for suffix, per, init in (("packed", 2, Init.MXFP4_CODES), ("scale", BLOCK_SIZE, Init.MXFP4_SCALES)):
+        pad_in = Padding(1, shards, I // per) if F != I else None   # F is w2's (packed) input axis
+        decls.append(ParamDecl(f"w2_{suffix}_EFL", (E, F // per, L), u8, spec, init, I, pad_in))
     return decls
+
+
+def expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w1_ELF, w3_ELF, w2_EFL) in ``dtype``: as stored, or dequantized from MXFP4."""
+    if "w1_ELF" in p:
+        return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
+
+    def unpack(w: str, suffix: str):   # packed along axis 1 -> decode along the last axis
+        packed, scale = p[f"{w}_packed_{suffix}"], p[f"{w}_scale_{suffix}"]
+        return jnp.swapaxes(decode_mxfp4(jnp.swapaxes(packed, 1, 2), jnp.swapaxes(scale, 1, 2),
+                                         dtype), 1, 2)
+
+    return unpack("w1", "ELF"), unpack("w3", "ELF"), unpack("w2", "EFL")
 
 
 # -- per-device bodies ------------------------------------------------------
@@ -79,7 +144,7 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
         lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
     if layout.moe_mode is MoEMode.EP:
         first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, p["w1_ELF"], p["w3_ELF"], p["w2_EFL"], act,
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, x_TD.dtype), act,
                           first_expert=first_expert, backend=backend)
     if axes:
         r_TL = scatter_rows(r_TL, axes)
@@ -92,7 +157,7 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
     cfg = layout.cfg
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
     lat_TL = matmul(x_TD, p["lat_down_DL"])
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, p["w1_ELF"], p["w3_ELF"], p["w2_EFL"], act,
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, x_TD.dtype), act,
                           backend=backend)
     shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
     L = r_TL.shape[1]
@@ -104,7 +169,8 @@ class KimiMoE(nnx.Module):
     """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> [T, D]."""
 
     def __init__(self, layout: Layout, mesh: Mesh | AbstractMesh, *, dtype=jnp.float32,
-                 source: ParamSource, backend: Backend = "auto"):
+                 source: ParamSource, backend: Backend = "auto",
+                 experts: ExpertStorage = ExpertStorage.DENSE):
         if tuple(mesh.axis_names) != MESH_AXES or tuple(mesh.axis_sizes) != (
                 layout.parallel.dp, layout.parallel.tp):
             raise ValueError(f"KimiMoE: mesh {dict(mesh.shape)} does not match the layout "
@@ -115,18 +181,18 @@ class KimiMoE(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.backend = backend
         self.act = SiTU.from_config(self.cfg)
-        make_params(self, moe_decls(layout, self.dtype), mesh, source)
+        self.experts = experts
+        self._decls = moe_decls(layout, self.dtype, experts)
+        make_params(self, self._decls, mesh, source)
         self.shared = KimiMLP(layout.shared_mlp, self.act, mesh, layout.token_axes,
                               dtype=dtype, source=source, backend=backend, name_prefix="shared.")
 
     def weights(self) -> dict:
-        names = [d.name for d in moe_decls(self.layout, self.dtype)]
-        return {**{n: getattr(self, n)[...] for n in names}, "shared": self.shared.weights()}
+        return {**{d.name: getattr(self, d.name)[...] for d in self._decls},
+                "shared": self.shared.weights()}
 
     def weight_specs(self) -> dict:
-        specs = self.layout.moe_param_specs()
-        own = {d.name: specs[d.name] for d in moe_decls(self.layout, self.dtype)}
-        return {**own, "shared": self.layout.shared_mlp.param_specs}
+        return {**{d.name: d.spec for d in self._decls}, "shared": self.layout.shared_mlp.param_specs}
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         D = self.cfg.hidden_size

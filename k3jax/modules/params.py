@@ -24,9 +24,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 class Init(enum.Enum):
     """What random values suit a parameter."""
 
-    WEIGHT = "weight"   # normal / sqrt(fan_in)
-    NORM = "norm"       # 1 + 0.1 * normal
-    BIAS = "bias"       # 0.05 * normal
+    WEIGHT = "weight"              # normal / sqrt(fan_in)
+    NORM = "norm"                  # 1 + 0.1 * normal
+    BIAS = "bias"                  # 0.05 * normal
+    MXFP4_CODES = "mxfp4-codes"    # uniform random bytes (two E2M1 codes each)
+    MXFP4_SCALES = "mxfp4-scales"  # UE8M0 bytes giving values of about 1 / sqrt(fan_in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +39,6 @@ class Padding:
     axis: int
     blocks: int
     real: int
-
-    def real_mask(self, size: int) -> np.ndarray:
-        """bool [size]: True where an entry along ``axis`` is real."""
-        block = size // self.blocks
-        return (np.arange(size) % block) < self.real // self.blocks
 
     def source_index(self, padded_index: int, size: int) -> int | None:
         """Index into the unpadded tensor for a padded index, None for padding."""
@@ -96,22 +93,29 @@ def _random_values(key, decl: ParamDecl):
     shape = list(decl.shape)
     if decl.padding is not None:
         shape[decl.padding.axis] = decl.padding.real
-    z = jax.random.normal(key, shape, jnp.float32)
-    if decl.init is Init.WEIGHT:
-        v = z / math.sqrt(decl.fan_in)
-    elif decl.init is Init.NORM:
-        v = 1.0 + 0.1 * z
-    else:
-        v = 0.05 * z
+    v = _random_unpadded(key, decl, tuple(shape))
     if decl.padding is not None:
         size = decl.shape[decl.padding.axis]
-        src = np.array([decl.padding.source_index(i, size) for i in range(size)], dtype=object)
-        real = np.array([s is not None for s in src])
-        idx = np.where(real, src, 0).astype(np.int32)
-        v = jnp.take(v, idx, axis=decl.padding.axis)
+        src = [decl.padding.source_index(i, size) for i in range(size)]
+        real = np.array([i is not None for i in src])
+        v = jnp.take(v, np.array([i or 0 for i in src], np.int32), axis=decl.padding.axis)
         bshape = [size if a == decl.padding.axis else 1 for a in range(len(shape))]
-        v = jnp.where(real.reshape(bshape), v, 0.0)
+        v = jnp.where(real.reshape(bshape), v, jnp.zeros((), v.dtype))
     return v.astype(decl.dtype)
+
+
+def _random_unpadded(key, decl: ParamDecl, shape: tuple[int, ...]) -> jax.Array:
+    if decl.init is Init.MXFP4_CODES:
+        return jax.random.randint(key, shape, 0, 256, jnp.int32)
+    if decl.init is Init.MXFP4_SCALES:
+        centre = 127 - 2 - round(0.5 * math.log2(decl.fan_in))   # E2M1 magnitudes reach 6
+        return jax.random.randint(key, shape, centre - 1, centre + 2, jnp.int32)
+    z = jax.random.normal(key, shape, jnp.float32)
+    if decl.init is Init.WEIGHT:
+        return z / math.sqrt(decl.fan_in)
+    if decl.init is Init.NORM:
+        return 1.0 + 0.1 * z
+    return 0.05 * z
 
 
 def make_params(module: nnx.Module, decls: list[ParamDecl], mesh: Mesh | AbstractMesh,

@@ -1,0 +1,343 @@
+"""The planner: per-device weight bytes and the collectives of one MoE-layer
+forward, for any (config, ParallelConfig), without allocating anything.
+
+The bytes are not a second model of the layout: every layer is built with the
+real modules (``build_layer``) on an ``AbstractMesh`` with ``AbstractSource``
+(ShapeDtypeStructs carrying NamedShardings), and each parameter's per-device
+shard shape is read back (``k3jax.memory.param_shard_bytes``). The full-size
+K3 at tp 32 therefore plans on a laptop. Per-layer bytes are multiplied by
+``cfg.num_dense_layers`` / ``cfg.num_moe_layers``.
+
+Dtypes default to the published checkpoint: routed experts MXFP4
+(0.53125 B per parameter: 4-bit codes + one UE8M0 byte per 32 inputs),
+everything else BF16, the router bias float32 (as the modules store it).
+
+The collectives are read off the same ``Layout`` the modules dispatch on
+(``moe_mode``, ``dispatch_axes``, ``shared_mlp.mode``), with the dtypes the
+bodies in ``k3jax.modules.moe`` / ``mlp`` exchange. ``bytes`` of a collective
+is the full buffer each device holds (all-gather: its output, reduce-scatter:
+its input, all-reduce: the reduced array), the NCCL "size" convention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layout import (TENSOR, Layout, MlpMode, MoEMode, ParallelConfig, abstract_mesh,
+                          make_layout, padded_rows)
+from k3jax.memory import param_shard_bytes
+from k3jax.modules import AbstractSource, build_layer
+
+WEIGHT_DTYPES = ("bfloat16", "float32")
+EXPERT_DTYPES = ("mxfp4", "bfloat16", "float32")
+MXFP4_BLOCK = 32
+MXFP4_BYTES_PER_PARAM = 0.53125            # 1/2 (a 4-bit code) + 1/32 (a scale byte per 32)
+COMPONENTS = ("dense_mlp", "shared_experts", "router", "latent_projections", "routed_experts")
+ROUTED_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
+
+_MOE_COMPONENT = {"router_DE": "router", "router_bias_E": "router",
+                  "lat_down_DL": "latent_projections", "lat_up_LD": "latent_projections",
+                  "lat_norm_L": "latent_projections",
+                  **{name: "routed_experts" for name in ROUTED_EXPERT_PARAMS}}
+
+
+def _moe_component(path: str) -> str:
+    if path.startswith("shared."):
+        return "shared_experts"
+    try:
+        return _MOE_COMPONENT[path]
+    except KeyError:
+        raise ValueError(f"planner: MoE parameter {path!r} belongs to no known component; "
+                         f"k3jax/plan.py needs updating") from None
+
+
+# --------------------------------------------------------------------------
+# Modules, built abstractly
+# --------------------------------------------------------------------------
+def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype="bfloat16"):
+    """Layer ``layer``'s module (KimiMLP or KimiMoE) on an AbstractMesh: shapes,
+    dtypes and shardings only, nothing allocated."""
+    layout = make_layout(cfg, parallel)
+    return build_layer(layout, layer, abstract_mesh(parallel), source=AbstractSource(),
+                       dtype=jnp.dtype(dtype), backend="xla")
+
+
+def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """{param path: one device's shard shape} (real or abstract arrays)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        value = var.get_value()
+        out[".".join(map(str, path))] = tuple(value.sharding.shard_shape(tuple(value.shape)))
+    return out
+
+
+def mxfp4_expert_shard_bytes(name: str, shard_shape: tuple[int, ...]) -> int:
+    """Per-device bytes of one routed-expert weight stored MXFP4, from the
+    shard shape of its dense form: w1_ELF / w3_ELF [E, L, F] and w2_EFL
+    [E, F, L] are packed along their input axis (axis 1) into uint8 codes
+    [.., in/2, ..] + UE8M0 scales [.., in/32, ..], i.e. exactly 0.53125 B per
+    parameter. The local input width must be a multiple of 32 (one scale per
+    32 inputs), as for the packed module."""
+    if len(shard_shape) != 3:
+        raise ValueError(f"{name}: expected a 3-d expert weight shard, got {shard_shape}")
+    e, n_in, n_out = shard_shape
+    if n_in % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need each device's input width of {name} to be a "
+                         f"multiple of {MXFP4_BLOCK}, got {n_in}; plan with --expert-dtype "
+                         f"bfloat16 or float32 instead")
+    return e * n_out * (n_in // 2 + n_in // MXFP4_BLOCK)
+
+
+def routed_expert_bytes(module, expert_dtype: str) -> dict[str, int]:
+    """{w1_ELF, w3_ELF, w2_EFL: per-device bytes} in ``expert_dtype``.
+
+    The modules store routed experts dense, so this reads each expert weight's
+    shard SHAPE from the (abstract) module and prices it: elements x itemsize
+    for a float dtype, ``mxfp4_expert_shard_bytes`` for MXFP4. Once KimiMoE's
+    packed MXFP4 storage is the module the loader builds, the MXFP4 branch
+    becomes ``param_shard_bytes`` of that module (one line); the shard shapes
+    it reads are the same.
+    """
+    shapes = param_shard_shapes(module)
+    out = {}
+    for name in ROUTED_EXPERT_PARAMS:
+        if expert_dtype == "mxfp4":
+            out[name] = mxfp4_expert_shard_bytes(name, shapes[name])
+        else:
+            out[name] = math.prod(shapes[name]) * np.dtype(jnp.dtype(expert_dtype)).itemsize
+    return out
+
+
+def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
+                      dtype: str = "bfloat16", expert_dtype: str = "mxfp4") -> dict[str, int]:
+    """{param path: per-device bytes} of layer ``layer`` (routed experts in
+    ``expert_dtype``, the router bias float32, everything else ``dtype``)."""
+    _check_dtypes(dtype, expert_dtype)
+    module = abstract_layer(cfg, parallel, layer, dtype=dtype)
+    out = param_shard_bytes(module)
+    if cfg.is_moe_layer(layer):
+        out.update(routed_expert_bytes(module, expert_dtype))
+    return out
+
+
+def plan_layer_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
+                     dtype: str = "bfloat16", expert_dtype: str = "mxfp4") -> dict[str, int]:
+    """{component: per-device bytes} of ONE layer (components: COMPONENTS;
+    a dense layer fills only ``dense_mlp``)."""
+    out = dict.fromkeys(COMPONENTS, 0)
+    for path, nbytes in layer_param_bytes(cfg, parallel, layer, dtype=dtype,
+                                          expert_dtype=expert_dtype).items():
+        out[_moe_component(path) if cfg.is_moe_layer(layer) else "dense_mlp"] += nbytes
+    return out
+
+
+def _check_dtypes(dtype: str, expert_dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+
+
+def _first_layer(cfg: K3Config, moe: bool) -> int | None:
+    return next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i) == moe), None)
+
+
+def model_bytes(cfg: K3Config, parallel: ParallelConfig, *, dtype: str = "bfloat16",
+                expert_dtype: str = "mxfp4") -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(per-device bytes summed over all layers {component..., total},
+    per-layer bytes {"dense": {...}, "moe": {...}})."""
+    per_layer = {}
+    totals = dict.fromkeys(COMPONENTS, 0)
+    for kind, moe, count in (("dense", False, cfg.num_dense_layers), ("moe", True, cfg.num_moe_layers)):
+        layer = _first_layer(cfg, moe)
+        if layer is None:
+            continue
+        per_layer[kind] = plan_layer_bytes(cfg, parallel, layer, dtype=dtype, expert_dtype=expert_dtype)
+        for component, nbytes in per_layer[kind].items():
+            totals[component] += nbytes * count
+    totals["total"] = sum(totals[c] for c in COMPONENTS)
+    return totals, per_layer
+
+
+# --------------------------------------------------------------------------
+# Collectives of one MoE-layer forward
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a MoE forward. ``shape`` is the full per-device
+    buffer (all-gather output, reduce-scatter input, all-reduce array) and
+    ``bytes`` its size; ``group`` the number of devices taking part."""
+
+    kind: str                   # "all-gather" | "reduce-scatter" | "all-reduce"
+    axes: tuple[str, ...]
+    group: int
+    what: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "axis": "+".join(self.axes), "axes": list(self.axes),
+                "group": self.group, "what": self.what, "shape": list(self.shape),
+                "dtype": self.dtype, "bytes": self.bytes}
+
+
+def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") -> list[Collective]:
+    """The collectives one KimiMoE forward issues for ``tokens`` global tokens,
+    in program order, as the bodies in k3jax.modules.moe / mlp issue them:
+
+    moe_rows_local (LOCAL, TP under SP, EP): all-gather over ``dispatch_axes``
+      of the latent rows (activation dtype), the top-k ids (int32) and weights
+      (float32); reduce-scatter of the float32 routed latent; an SP-sharded
+      shared expert adds an all-gather of its D-wide rows and a float32
+      reduce-scatter over TENSOR.
+    moe_tp_local (plain TP): one float32 all-reduce of [rows, L + D] over TENSOR.
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    cfg, par = layout.cfg, layout.parallel
+    D, L, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts_per_token
+    sizes = {"data": par.dp, TENSOR: par.tp}
+    local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
+    act = str(jnp.dtype(act_dtype))
+    out: list[Collective] = []
+    if layout.moe_mode is MoEMode.TP and not layout.dispatch_axes:
+        out.append(Collective("all-reduce", (TENSOR,), par.tp,
+                              "routed latent + shared-expert partial sums",
+                              (local_rows, L + D), "float32"))
+        return out
+    axes = layout.dispatch_axes
+    if axes:
+        group = math.prod(sizes[a] for a in axes)
+        rows = local_rows * group
+        out += [Collective("all-gather", axes, group, "latent rows", (rows, L), act),
+                Collective("all-gather", axes, group, "top-k expert ids", (rows, K), "int32"),
+                Collective("all-gather", axes, group, "top-k weights", (rows, K), "float32")]
+        out.append(Collective("reduce-scatter", axes, group, "routed latent (partial sums)",
+                              (rows, L), "float32"))
+    if layout.shared_mlp.mode is MlpMode.SP_SHARDED:
+        rows = local_rows * par.tp
+        out += [Collective("all-gather", (TENSOR,), par.tp, "shared-expert input rows", (rows, D), act),
+                Collective("reduce-scatter", (TENSOR,), par.tp, "shared-expert partial sums",
+                           (rows, D), "float32")]
+    elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
+        raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
+    return out
+
+
+# --------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------
+def format_gb(nbytes: int) -> str:
+    """Decimal gigabytes, 2 decimals (SPEC 6's "180.81 GB")."""
+    return f"{nbytes / 1e9:.2f}"
+
+
+def format_gib(nbytes: int) -> str:
+    """Binary gibibytes with up to 8 decimals, trailing zeros dropped
+    (SPEC 6's "22.640625 GiB")."""
+    text = f"{nbytes / 2**30:.8f}".rstrip("0")
+    return text[:-1] if text.endswith(".") else text
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-device weight bytes (summed over layers) and one MoE forward's collectives."""
+
+    cfg: K3Config
+    parallel: ParallelConfig
+    layout: Layout
+    source: str
+    tokens: int
+    dtype: str
+    expert_dtype: str
+    per_device_bytes: dict[str, int]
+    per_layer_bytes: dict[str, dict[str, int]]
+    collectives: tuple[Collective, ...]
+    comparisons: dict[str, int]
+
+    @property
+    def padded_moe_intermediate_size(self) -> int:
+        return self.layout.padded_moe_intermediate
+
+    def to_dict(self) -> dict[str, Any]:
+        par, lay = self.parallel, self.layout
+        return {
+            "source": self.source,
+            "parallel": {"dp": par.dp, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
+                         "expert_parallel": par.expert_parallel, "ep": par.ep,
+                         "shard_shared_expert": par.shard_shared_expert_requested,
+                         "pad_under_ep": par.pad_under_ep},
+            "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
+                       "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,
+                       "expert_shards": lay.expert_shards,
+                       "token_axes": list(lay.token_axes),
+                       "shared_overlaps_routed": lay.shared_overlaps_routed},
+            "dtypes": {"weights": self.dtype, "routed_experts": self.expert_dtype,
+                       "router_bias": "float32", "activations": self.dtype},
+            "layers": {"dense": self.cfg.num_dense_layers, "moe": self.cfg.num_moe_layers},
+            "per_device_bytes": dict(self.per_device_bytes),
+            "per_device_gb": {k: format_gb(v) for k, v in self.per_device_bytes.items()},
+            "per_device_gib": {k: format_gib(v) for k, v in self.per_device_bytes.items()},
+            "per_layer_bytes": {k: dict(v) for k, v in self.per_layer_bytes.items()},
+            "moe_intermediate_size": self.cfg.moe_intermediate_size,
+            "padded_moe_intermediate_size": self.padded_moe_intermediate_size,
+            "tokens": self.tokens,
+            "collectives": [c.to_dict() for c in self.collectives],
+            "collective_bytes_per_device": sum(c.bytes for c in self.collectives),
+            "comparisons": dict(self.comparisons),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def make_plan(cfg: K3Config, parallel: ParallelConfig, *, tokens: int = 256,
+              dtype: str = "bfloat16", expert_dtype: str = "mxfp4", source: str = "") -> Plan:
+    """Plan ``cfg`` on ``parallel``. Raises ValueError for a layout the mesh
+    cannot hold (e.g. an EP size that does not divide the experts)."""
+    _check_dtypes(dtype, expert_dtype)
+    layout = make_layout(cfg, parallel)
+    totals, per_layer = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
+    comparisons = _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype)
+    return Plan(cfg=cfg, parallel=parallel, layout=layout, source=source, tokens=tokens,
+                dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=totals,
+                per_layer_bytes=per_layer,
+                collectives=tuple(moe_collectives(layout, tokens, dtype)) if cfg.num_moe_layers else (),
+                comparisons=comparisons)
+
+
+def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str, int]:
+    """Side-by-side figures: the shared expert replicated when it is sharded
+    under SP, and the routed experts with / without vLLM's pre-fix padding
+    under EP. Each comes from planning the alternative layout."""
+    out = {}
+    if layout.shared_mlp.mode is MlpMode.SP_SHARDED:
+        alt, _ = model_bytes(cfg, dataclasses.replace(parallel, shard_shared_expert=False),
+                             dtype=dtype, expert_dtype=expert_dtype)
+        out["shared_experts_if_replicated"] = alt["shared_experts"]
+        out["shared_experts_saved"] = alt["shared_experts"] - totals["shared_experts"]
+    if parallel.expert_parallel:
+        other = not parallel.pad_under_ep
+        alt, _ = model_bytes(cfg, dataclasses.replace(parallel, pad_under_ep=other),
+                             dtype=dtype, expert_dtype=expert_dtype)
+        key = "routed_experts_if_padded_under_ep" if other else "routed_experts_with_fix"
+        out[key] = alt["routed_experts"]
+    return out
+
+
+__all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
+           "moe_collectives", "routed_expert_bytes", "mxfp4_expert_shard_bytes", "abstract_layer",
+           "param_shard_shapes", "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
+           "EXPERT_DTYPES", "MXFP4_BYTES_PER_PARAM"]
