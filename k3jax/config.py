@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -70,10 +71,13 @@ class K3Config:
                 raise ValueError(f"K3Config: topk_group={self.topk_group} groups of {per_group} "
                                  f"experts cannot supply num_experts_per_token="
                                  f"{self.num_experts_per_token}")
-        if self.activation_situ_beta <= 0:
-            raise ValueError("K3Config.activation_situ_beta must be > 0")
-        if self.activation_situ_linear_beta is not None and self.activation_situ_linear_beta <= 0:
-            raise ValueError("K3Config.activation_situ_linear_beta must be > 0 or None")
+        for name in ("moe_renormalize", "latent_moe_use_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"K3Config.{name} must be true or false, got {getattr(self, name)!r}")
+        _check_number(self, "activation_situ_beta", "routed_scaling_factor")
+        _check_number(self, "rms_norm_eps", allow_zero=True)
+        if self.activation_situ_linear_beta is not None:
+            _check_number(self, "activation_situ_linear_beta")
 
     # Derived sizes -------------------------------------------------------
     @property
@@ -109,6 +113,18 @@ def _check_positive(cfg: K3Config, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"K3Config.{name} must be a positive integer, got {value!r}")
+
+
+def _check_number(cfg: K3Config, *names: str, allow_zero: bool = False) -> None:
+    """Each field must be a finite real number > 0 (>= 0 with ``allow_zero``)."""
+    for name in names:
+        value = getattr(cfg, name)
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and (value > 0 or (allow_zero and value == 0)))
+        if not ok:
+            raise ValueError(f"K3Config.{name} must be a finite number {'>=' if allow_zero else '>'} 0"
+                             f"{' (or null)' if name == 'activation_situ_linear_beta' else ''}, "
+                             f"got {value!r}")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(K3Config)}

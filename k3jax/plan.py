@@ -17,6 +17,11 @@ The collectives are read off the same ``Layout`` the modules dispatch on
 bodies in ``k3jax.modules.moe`` / ``mlp`` exchange. ``bytes`` of a collective
 is the full buffer each device holds (all-gather: its output, reduce-scatter:
 its input, all-reduce: the reduced array), the NCCL "size" convention.
+These are the collectives inside the block, for a caller that holds the rows
+in the layout's ``x_TD`` sharding; a caller that passes replicated rows whose
+count the row blocks do not divide also gets XLA's all-gather of the output
+rows at the block's boundary (tests/test_plan.py checks the plan against the
+compiled HLO).
 """
 
 from __future__ import annotations
@@ -35,13 +40,12 @@ from k3jax.layout import (TENSOR, Layout, MlpMode, MoEMode, ParallelConfig, abst
                           make_layout, padded_rows)
 from k3jax.memory import param_shard_bytes
 from k3jax.modules import AbstractSource, build_layer
+from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS, ExpertStorage
 
 WEIGHT_DTYPES = ("bfloat16", "float32")
 EXPERT_DTYPES = ("mxfp4", "bfloat16", "float32")
-MXFP4_BLOCK = 32
-MXFP4_BYTES_PER_PARAM = 0.53125            # 1/2 (a 4-bit code) + 1/32 (a scale byte per 32)
 COMPONENTS = ("dense_mlp", "shared_experts", "router", "latent_projections", "routed_experts")
-ROUTED_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
+ROUTED_EXPERT_PARAMS = DENSE_EXPERT_PARAMS + MXFP4_EXPERT_PARAMS
 
 _MOE_COMPONENT = {"router_DE": "router", "router_bias_E": "router",
                   "lat_down_DL": "latent_projections", "lat_up_LD": "latent_projections",
@@ -62,12 +66,13 @@ def _moe_component(path: str) -> str:
 # --------------------------------------------------------------------------
 # Modules, built abstractly
 # --------------------------------------------------------------------------
-def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype="bfloat16"):
+def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype="bfloat16",
+                   experts: ExpertStorage = ExpertStorage.DENSE):
     """Layer ``layer``'s module (KimiMLP or KimiMoE) on an AbstractMesh: shapes,
     dtypes and shardings only, nothing allocated."""
     layout = make_layout(cfg, parallel)
     return build_layer(layout, layer, abstract_mesh(parallel), source=AbstractSource(),
-                       dtype=jnp.dtype(dtype), backend="xla")
+                       dtype=jnp.dtype(dtype), backend="xla", experts=experts)
 
 
 def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
@@ -79,52 +84,23 @@ def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def mxfp4_expert_shard_bytes(name: str, shard_shape: tuple[int, ...]) -> int:
-    """Per-device bytes of one routed-expert weight stored MXFP4, from the
-    shard shape of its dense form: w1_ELF / w3_ELF [E, L, F] and w2_EFL
-    [E, F, L] are packed along their input axis (axis 1) into uint8 codes
-    [.., in/2, ..] + UE8M0 scales [.., in/32, ..], i.e. exactly 0.53125 B per
-    parameter. The local input width must be a multiple of 32 (one scale per
-    32 inputs), as for the packed module."""
-    if len(shard_shape) != 3:
-        raise ValueError(f"{name}: expected a 3-d expert weight shard, got {shard_shape}")
-    e, n_in, n_out = shard_shape
-    if n_in % MXFP4_BLOCK:
-        raise ValueError(f"MXFP4 experts need each device's input width of {name} to be a "
-                         f"multiple of {MXFP4_BLOCK}, got {n_in}; plan with --expert-dtype "
-                         f"bfloat16 or float32 instead")
-    return e * n_out * (n_in // 2 + n_in // MXFP4_BLOCK)
-
-
-def routed_expert_bytes(module, expert_dtype: str) -> dict[str, int]:
-    """{w1_ELF, w3_ELF, w2_EFL: per-device bytes} in ``expert_dtype``.
-
-    The modules store routed experts dense, so this reads each expert weight's
-    shard SHAPE from the (abstract) module and prices it: elements x itemsize
-    for a float dtype, ``mxfp4_expert_shard_bytes`` for MXFP4. Once KimiMoE's
-    packed MXFP4 storage is the module the loader builds, the MXFP4 branch
-    becomes ``param_shard_bytes`` of that module (one line); the shard shapes
-    it reads are the same.
-    """
-    shapes = param_shard_shapes(module)
-    out = {}
-    for name in ROUTED_EXPERT_PARAMS:
-        if expert_dtype == "mxfp4":
-            out[name] = mxfp4_expert_shard_bytes(name, shapes[name])
-        else:
-            out[name] = math.prod(shapes[name]) * np.dtype(jnp.dtype(expert_dtype)).itemsize
-    return out
-
-
 def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
                       dtype: str = "bfloat16", expert_dtype: str = "mxfp4") -> dict[str, int]:
-    """{param path: per-device bytes} of layer ``layer`` (routed experts in
-    ``expert_dtype``, the router bias float32, everything else ``dtype``)."""
+    """{param path: per-device bytes} of layer ``layer``: routed experts in
+    ``expert_dtype`` (MXFP4: the module's packed uint8 codes and scales), the
+    router bias float32, everything else ``dtype``.
+
+    The module holds one float dtype, so float experts of another dtype than
+    ``dtype`` are priced from their shard shapes at ``expert_dtype``'s size."""
     _check_dtypes(dtype, expert_dtype)
-    module = abstract_layer(cfg, parallel, layer, dtype=dtype)
+    mxfp4 = expert_dtype == "mxfp4"
+    module = abstract_layer(cfg, parallel, layer, dtype=dtype,
+                            experts=ExpertStorage.MXFP4 if mxfp4 else ExpertStorage.DENSE)
     out = param_shard_bytes(module)
-    if cfg.is_moe_layer(layer):
-        out.update(routed_expert_bytes(module, expert_dtype))
+    if cfg.is_moe_layer(layer) and not mxfp4:
+        itemsize = np.dtype(jnp.dtype(expert_dtype)).itemsize
+        shapes = param_shard_shapes(module)
+        out.update({name: math.prod(shapes[name]) * itemsize for name in DENSE_EXPERT_PARAMS})
     return out
 
 
@@ -230,7 +206,7 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
         rows = local_rows * par.tp
         out += [Collective("all-gather", (TENSOR,), par.tp, "shared-expert input rows", (rows, D), act),
                 Collective("reduce-scatter", (TENSOR,), par.tp, "shared-expert partial sums",
-                           (rows, D), "float32")]
+                           (rows, D), act)]
     elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
         raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
     return out
@@ -247,8 +223,7 @@ def format_gb(nbytes: int) -> str:
 def format_gib(nbytes: int) -> str:
     """Binary gibibytes with up to 8 decimals, trailing zeros dropped
     (SPEC 6's "22.640625 GiB")."""
-    text = f"{nbytes / 2**30:.8f}".rstrip("0")
-    return text[:-1] if text.endswith(".") else text
+    return f"{nbytes / 2**30:.8f}".rstrip("0").removesuffix(".")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +313,6 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
 
 
 __all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
-           "moe_collectives", "routed_expert_bytes", "mxfp4_expert_shard_bytes", "abstract_layer",
+           "moe_collectives", "abstract_layer",
            "param_shard_shapes", "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
-           "EXPERT_DTYPES", "MXFP4_BYTES_PER_PARAM"]
+           "EXPERT_DTYPES"]

@@ -13,5 +13,11 @@ from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
 from pallas_kernels.situ import situ_glu
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
-__all__ = ["Backend", "resolve_backend", "grouped_matmul", "grouped_situ_glu",
-           "situ_glu", "situ_mlp_up"]
+__all__ = [
+           "Backend",
+           "grouped_matmul",
+           "grouped_situ_glu",
+           "resolve_backend",
+           "situ_glu",
+           "situ_mlp_up",
+]

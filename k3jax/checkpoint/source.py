@@ -1,14 +1,16 @@
 """CheckpointSource: fills module parameters straight from checkpoint slices.
 
-Each parameter becomes ``jax.make_array_from_callback``: for every device
-shard this process holds, the callback reads exactly that shard's region of
-the stored tensors (safetensors slicing), transposes, stacks experts,
-dequantizes MXFP4 and writes the zero padding. No process ever materialises
-a whole layer.
+Each parameter is assembled by ``place_blocks``: for every distinct device
+block this process holds, ``_read_block`` reads exactly that block's region
+of the stored tensors (safetensors slicing), transposes, fills experts in
+place, dequantizes MXFP4 and writes the zero padding; the block goes to its
+devices before the next is read. No process ever materialises a whole layer,
+nor even its whole share of one parameter.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import Sequence
 
@@ -20,6 +22,30 @@ from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
+
+
+def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Array:
+    """``jax.make_array_from_callback(shape, sharding, read)``, one block at a time.
+
+    Each distinct block among this process's devices is read once, copied to
+    the devices that hold it, and freed before the next is read: host memory
+    peaks near one block. (make_array_from_callback keeps every local block
+    of the parameter on the host until all are read, and reads a block once
+    per device when it is replicated over a mesh axis.)"""
+    shape = tuple(shape)
+    groups: dict[tuple, tuple[tuple[slice, ...], list[jax.Device]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        groups.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in groups.values():
+        block = read(index)
+        placed = [jax.device_put(block, d, may_alias=False) for d in devices]
+        jax.block_until_ready(placed)   # copied before the block is dropped
+        arrays += placed
+        del block, placed
+        gc.collect()   # jax lets go of a copied host buffer in a gc hook (jax-ml/jax#14882)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 class CheckpointSource:
@@ -39,15 +65,17 @@ class CheckpointSource:
 
     @property
     def experts_are_mxfp4(self) -> bool:
-        """Whether this (MoE) layer stores its routed experts as MXFP4."""
-        return self.is_moe and self.reader.has(mxfp4_names(self.tensors["w1_ELF"].name(
-            self.prefix, 0))[0])
+        """Whether this (MoE) layer stores ALL its routed experts as MXFP4 (a
+        layer mixing plain and MXFP4 experts can only be loaded dequantized)."""
+        return self.is_moe and all(
+            self.reader.has(mxfp4_names(self.tensors[w].name(self.prefix, e))[0])
+            for w in ("w1_ELF", "w3_ELF", "w2_EFL") for e in range(self.reader.config.num_experts))
 
     def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
         ref = self.tensors[decl.name]
         stored = self._check(decl, ref)
-        return jax.make_array_from_callback(
-            decl.shape, sharding, lambda index: self._read_block(decl, ref, stored, index))
+        return place_blocks(decl.shape, sharding,
+                            lambda index: self._read_block(decl, ref, stored, index))
 
     # -- validation -------------------------------------------------------------
     def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
@@ -103,6 +131,12 @@ class CheckpointSource:
                 return out
             src_ranges[ax] = range(src[real[0]], src[real[-1]] + 1)
             keep[ax] = np.array(real)
+        if ref.per_expert and isinstance(keep[0], slice):  # expert by expert, into the block
+            rest = tuple(keep[1:])
+            for j, e in enumerate(src_ranges[0]):
+                out[j][rest] = self._read_2d(ref.name(self.prefix, e), stored[e], ref.transpose,
+                                             src_ranges[1:])
+            return out
         values = self._read_logical(ref, stored, src_ranges)
         out[tuple(keep)] = values.astype(out.dtype)
         return out
@@ -121,7 +155,15 @@ class CheckpointSource:
             block = self._read_mxfp4(name, index)
         else:
             block = self.reader.read(name, index)
+            if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
+                self._validate_scales(name, block)
         return block.T if transpose else block
+
+    def _validate_scales(self, scale_name: str, scales: np.ndarray) -> None:
+        try:
+            validate_scales(scales)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {self.reader.full_name(scale_name)}: {e}") from None
 
     def _read_mxfp4(self, name: str, index: list[slice]) -> np.ndarray:
         """Rows ``index[0]`` and inputs ``index[1]`` of an MXFP4 weight, decoded."""
@@ -132,10 +174,7 @@ class CheckpointSource:
         packed = self.reader.read(packed_name, [rows, slice(first_block * BLOCK_SIZE // 2,
                                                             last_block * BLOCK_SIZE // 2)])
         scales = self.reader.read(scale_name, [rows, slice(first_block, last_block)])
-        try:
-            validate_scales(scales)
-        except ValueError as e:
-            raise CheckpointError(f"tensor {self.reader.full_name(scale_name)}: {e}") from None
+        self._validate_scales(scale_name, scales)
         values = decode_mxfp4_numpy(packed, scales)
         offset = first_block * BLOCK_SIZE
         return values[:, cols.start - offset: cols.stop - offset]

@@ -71,8 +71,15 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
 
 def request_devices(count: int) -> None:
     """Before JAX's backend starts: make ``count`` CPU devices available in
-    case the host has fewer accelerators."""
-    jax.config.update("jax_num_cpu_devices", count)
+    case the host has fewer accelerators. Never lowers a count already set
+    (in-process callers, tests), and a no-op once JAX's backend has started:
+    ``pick_devices`` then reports any shortfall."""
+    if jax.config.jax_num_cpu_devices >= count:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:     # "should be updated before backends are initialized"
+        pass
 
 
 def pick_devices(count: int) -> list[jax.Device]:

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from k3jax import distributed
 from k3jax.cli.common import (BACKENDS, DTYPES, UsageError, add_device_flags, add_parallel_flags,
                               atomic_save_npy, parallel_from_args, pick_devices, positive_int,
                               request_devices)
@@ -40,10 +41,21 @@ def add_parser(sub) -> None:
                    help="kernels: auto (Pallas on a Hopper GPU, else XLA), xla, pallas, interpret")
     add_device_flags(p)
     add_parallel_flags(p)
+    distributed.add_distributed_flags(p)
     p.set_defaults(main=main)
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
+    try:
+        spec = _process_spec(args)
+        if spec is not None:
+            _check_flags(args, spec)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if spec is not None:  # the work runs in a supervised child: see k3jax.distributed
+        payload = {k: v for k, v in vars(args).items() if k != "main"}
+        return distributed.supervise(f"{__name__}:worker_main", {**payload, "prog": prog}, spec, prog)
     try:
         return _run(args)
     except UsageError as e:
@@ -52,6 +64,46 @@ def main(args: argparse.Namespace, prog: str) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+
+
+def worker_main(payload: dict) -> int:
+    """One process of a multi-process run (the child that distributed.supervise starts)."""
+    prog = payload.pop("prog")
+    args = argparse.Namespace(**payload)
+    args_spec = _process_spec(args)
+    try:
+        return _run(args, args_spec)
+    except distributed.ProcessMismatchError as e:  # every process raises it: a normal exit
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        distributed.abandon(2)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"{prog}: error: {distributed.explain_error(e, args_spec)}", file=sys.stderr)
+        distributed.abandon(1)
+
+
+def _process_spec(args: argparse.Namespace) -> distributed.ProcessSpec | None:
+    try:
+        return distributed.spec_from_args(args.coordinator_address, args.num_processes,
+                                          args.process_id)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None) -> int:
+    """Validate the flags before any JAX set-up; return the devices this process simulates."""
+    num_devices = args.devices or ((args.dp or 1) * args.tp)
+    parallel_from_args(args, args.devices)
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise UsageError(f"--output directory does not exist: {os.path.dirname(args.output)}")
+    if spec is None:
+        return num_devices
+    if num_devices % spec.num_processes:
+        raise UsageError(f"--devices {num_devices} (the global count) is not divisible by "
+                         f"--num-processes {spec.num_processes}")
+    return num_devices // spec.num_processes
 
 
 def _load_input(path: str | None, hidden: int) -> np.ndarray:
@@ -71,12 +123,14 @@ def _load_input(path: str | None, hidden: int) -> np.ndarray:
     return x
 
 
-def _run(args: argparse.Namespace) -> int:
-    num_devices = args.devices or ((args.dp or 1) * args.tp)
+def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) -> int:
+    local_devices = _check_flags(args, spec)
     parallel = parallel_from_args(args, args.devices)
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UsageError(f"--output directory does not exist: {os.path.dirname(args.output)}")
-    request_devices(num_devices)
+    request_devices(local_devices)
+    if spec is not None:
+        distributed.initialize(spec)
+    leader = spec is None or spec.is_leader
+    say = print if leader else (lambda *a, **k: None)
 
     import jax
     import jax.numpy as jnp
@@ -91,30 +145,42 @@ def _run(args: argparse.Namespace) -> int:
         if args.checkpoint is None:
             path = os.path.join(tmp, "ckpt")
             make_synthetic_checkpoint(path, TINY, seed=DEFAULT_SEED, dtype="float32")
-            print(f"no --checkpoint: using the tiny synthetic K3-shaped checkpoint (seed {DEFAULT_SEED})")
+            say(f"no --checkpoint: using the tiny synthetic K3-shaped checkpoint (seed {DEFAULT_SEED})")
         else:
             path = args.checkpoint
-        reader = CheckpointReader(path)
-        cfg = reader.config
-        layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
-        x = _load_input(args.input, cfg.hidden_size)
+        if spec is None:
+            reader = CheckpointReader(path)
+            cfg = reader.config
+            layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+            x = _load_input(args.input, cfg.hidden_size)
+        else:
+            reader, cfg, layer, x = _agree(args, spec, parallel, path)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                             backend=args.backend, mxfp4=args.mxfp4)
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
-        x_dev = jnp.asarray(x)
+        x_dev = jnp.asarray(x) if spec is None else distributed.replicated(x, mesh)
         times = []
         y = None
         for _ in range(args.repeat):
             t0 = time.perf_counter()
             y = jax.block_until_ready(forward(state, x_dev))
             times.append(time.perf_counter() - t0)
+            if spec is not None and len(times) == 1:
+                print(f"{spec.tag} first forward done ({times[0] * 1e3:.1f} ms, with compilation)",
+                      flush=True)
 
-    y_host = np.asarray(jax.device_get(y), dtype=np.float32)
+    if spec is None:
+        y_host = np.asarray(jax.device_get(y), dtype=np.float32)
+    else:  # every process takes part in the gather; process 0 reports and writes
+        y_host = distributed.gather(y).astype(np.float32)
     if not np.all(np.isfinite(y_host)):
         raise RuntimeError("the forward produced NaN or inf; no output written")
+    if not leader:
+        print(f"{spec.tag} done; process 0 writes the output", flush=True)
+        return 0
 
     kind = "MoE" if cfg.is_moe_layer(layer) else "dense MLP"
     print(f"layer {layer} ({kind}), T={x.shape[0]}, hidden={cfg.hidden_size}, dtype={args.dtype}, "
@@ -123,8 +189,8 @@ def _run(args: argparse.Namespace) -> int:
     print(_describe_layout(module, cfg.is_moe_layer(layer)))
     per_param = param_shard_bytes(module)
     for name, value in sorted(per_param.items()):
-        spec = _spec_of(module, name)
-        print(f"  {name:18s} {str(list(_shape_of(module, name))):18s} {str(spec):28s} "
+        pspec = _spec_of(module, name)
+        print(f"  {name:18s} {str(list(_shape_of(module, name))):18s} {str(pspec):28s} "
               f"{format_bytes(value)}/device")
     print(f"parameter bytes per device: {sum(per_param.values())} ({format_bytes(sum(per_param.values()))})")
     if args.repeat > 1:
@@ -136,6 +202,39 @@ def _run(args: argparse.Namespace) -> int:
         atomic_save_npy(args.output, y_host)
         print(f"wrote {args.output}")
     return 0
+
+
+def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, path: str):
+    """Open the checkpoint and the input, then check that every process has
+    the same run (flags, config, checkpoint files, input) before any device work."""
+    import hashlib
+    import json
+
+    import jax
+
+    from k3jax.checkpoint import CheckpointReader
+
+    print(f"{spec.tag} joined the run at {spec.coordinator}: {jax.local_device_count()} of "
+          f"{jax.device_count()} {jax.default_backend()} devices here", flush=True)
+    items, error, opened = None, None, None
+    try:
+        reader = CheckpointReader(path)
+        cfg = reader.config
+        layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+        x = _load_input(args.input, cfg.hidden_size)
+        opened = reader, cfg, layer, x
+        config_json = json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()
+        items = {"jax version": jax.__version__, "devices": str(parallel.num_devices),
+                 "layout": parallel.describe(), "layer": str(layer), "dtype": args.dtype,
+                 "backend": args.backend, "MXFP4 handling": args.mxfp4,
+                 "repeat": str(args.repeat),
+                 "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
+                 "checkpoint files": reader.fingerprint(),
+                 "input": distributed.fingerprint_array(x)}
+    except (ValueError, OSError) as e:
+        error = str(e)
+    distributed.check_agreement(spec, items, error)
+    return opened
 
 
 def _param(module, name: str):

@@ -40,11 +40,11 @@ def mlp_replicated_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
 
 def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
     """All-gather rows over TENSOR -> partial MLP on this F shard ->
-    reduce-scatter over TENSOR (sums the partials, returns own rows)."""
+    reduce-scatter over TENSOR (sums the partials, returns own rows).
+    The partials travel in the activation dtype, as vLLM's do."""
     x_all = gather_rows(x_TD, TENSOR)
-    partial = situ_mlp(x_all, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend,
-                       out_dtype=jnp.float32)
-    return scatter_rows(partial, TENSOR).astype(x_TD.dtype)
+    partial = situ_mlp(x_all, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend)
+    return scatter_rows(partial, TENSOR)
 
 
 def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: Backend):

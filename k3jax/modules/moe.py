@@ -53,7 +53,9 @@ class ExpertStorage(enum.Enum):
     MXFP4 = "mxfp4"     # uint8 codes + UE8M0 scales, packed along each weight's input axis
 
 
-EXPERT_WEIGHTS = ("w1_ELF", "w3_ELF", "w2_EFL")
+DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
+MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL"))
+                            for part in ("packed", "scale"))
 
 
 def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:

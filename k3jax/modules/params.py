@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Protocol
 
@@ -83,8 +84,15 @@ class RandomSource:
     def __call__(self, decl, sharding):
         self._count += 1
         key = jax.random.fold_in(self._key, self._count)
-        make = jax.jit(lambda k: _random_values(k, decl), out_shardings=sharding)
-        return make(key)
+        return _random_generator(dataclasses.replace(decl, name=""), sharding)(key)
+
+
+@functools.lru_cache(maxsize=512)
+def _random_generator(decl: ParamDecl, sharding: NamedSharding):
+    """One jitted generator per (shape, dtype, init, padding, sharding): the same
+    declaration on the same mesh (w1/w3, gate/up, the replicated router and
+    latent weights of every layout on that mesh) compiles once."""
+    return jax.jit(functools.partial(_random_values, decl=decl), out_shardings=sharding)
 
 
 def _random_values(key, decl: ParamDecl):

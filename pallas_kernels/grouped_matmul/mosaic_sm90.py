@@ -13,14 +13,19 @@ that must come out as zeros. A *work item* is one (segment, M-block) pair with
 a non-empty intersection; there are at most cdiv(M, block_m) + G of them.
 ``work_items_4W`` computes them in XLA (O(G + W) scalar work, jittable with a
 traced group_sizes) as an int32 [4, W] table: (group or -1 for the tail,
-M-block, first row within the block, number of rows). The kernel is persistent
-(one CTA per SM) and loops over (work item, N-block) pairs; empty items and
-size-0 groups cost nothing. A group item runs a K pipeline (TMA -> SMEM ->
-WGMMA, ``max_concurrent_steps`` stages) with one accumulator per weight; a tail
-item skips the matmul and writes zeros. Only the item's rows are stored, with a
+M-block, first row within the block, number of rows).
+
+The kernel is persistent (one CTA per SM) and warp-specialized: every
+warpgroup loops over the same (work item, N-block) pairs; a producer
+warpgroup streams x and weight tiles into SMEM with TMA
+(``max_concurrent_steps`` stages) while 1 (decode tiles) or 2 (prefill tiles,
+sharing each weight tile) consumer warpgroups run WGMMA into f32 register
+accumulators, one per weight, and apply the epilogue in registers. Empty items
+and size-0 groups cost nothing; a tail item skips the matmul and writes zeros.
+Each consumer stores only the item's rows of its 64-row slice, with a
 logarithmic ladder of fixed-size TMA stores (as in jax's ragged_dot_mgpu.py),
-so several items that share an M-block never overwrite each other's rows and
-rows of x past sum(sizes) (possibly NaN) never reach a valid output row.
+so items sharing an M-block never overwrite each other's rows and rows of x
+past sum(sizes) (possibly NaN) never reach a valid output row.
 
 Dtypes: bf16/f16 run natively. float32 inputs are cast to bfloat16 for the
 WGMMA (Hopper's tf32 WGMMA needs a K-major B operand, our weights are N-major)
@@ -34,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,45 +59,68 @@ _MIN_BLOCK = 16  # bf16 WGMMA: K step of 16; SMEM swizzle needs >= 32 B rows.
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Block sizes of one kernel launch.
+    """Tiling of one kernel launch (one CTA per SM, persistent).
 
-    block_m rows of x per WGMMA tile (64 = one warpgroup's WGMMA M), block_n
-    output columns per tile, block_k the K step of the TMA pipeline (64 bf16 =
-    one 128-byte swizzle row), max_concurrent_steps the number of SMEM stages,
-    grid_block_n the width (in N-blocks) of the snake-ordered tile sweep.
+    A CTA is ``num_compute_wgs`` consumer warpgroups plus one TMA producer
+    warpgroup (warp specialization). Each consumer owns ``wg_block_m`` rows
+    (64 = the WGMMA M of one warpgroup) of the CTA's block_m-row x tile and
+    all ``block_n`` columns, with one f32 register accumulator per weight.
+    block_k is the K step of the TMA pipeline (64 bf16 = one 128-byte swizzle
+    row), max_concurrent_steps the number of SMEM stages, grid_block_n the
+    width (in N-blocks) of the snake-ordered tile sweep.
     """
 
-    block_m: int = 64
+    num_compute_wgs: int = 1
+    wg_block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     max_concurrent_steps: int = 4
     grid_block_n: int = 8
 
+    @property
+    def block_m(self) -> int:
+        return self.wg_block_m * self.num_compute_wgs
+
     def smem_bytes(self, num_weights: int, in_itemsize: int, out_itemsize: int) -> int:
-        """Shared memory the kernel allocates (pipeline stages + epilogue tile)."""
+        """Shared memory the kernel allocates (pipeline stages + epilogue tiles)."""
         stage = (self.block_m * self.block_k
                  + num_weights * self.block_k * self.block_n) * in_itemsize
         return self.max_concurrent_steps * stage + self.block_m * self.block_n * out_itemsize
 
 
-# H200 choices for K3 shapes (K, N in {3584, 3072}; both are multiples of 128).
-#  * block_m = 64: one warpgroup's WGMMA height. Decode puts 1-4 rows in each
-#    expert, so a taller tile only wastes MMA work; the fused kernel keeps two
-#    64x128 f32 accumulators = 128 registers/thread.
-#  * block_n = 128: 16 KiB weight tiles per stage and 256-byte output rows
-#    (TMA-aligned ladder stores).
-#  * stages: fused = 4 x 40 KiB + 16 KiB epilogue = 176 KiB; plain = 6 x 24 KiB
-#    + 16 KiB = 160 KiB, both under the 227 KiB sm_90 limit. At decode the
-#    kernel streams weights, and 4-6 stages keep >= 96 KiB of TMA loads in
-#    flight per SM, enough to cover HBM latency at 4.8 TB/s over 132 SMs.
-FUSED_CONFIG = TileConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4)
-PLAIN_CONFIG = TileConfig(block_m=64, block_n=128, block_k=64, max_concurrent_steps=6)
+SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
+_SMEM_RESERVE = 1024  # barriers and alignment
+
+# H200 configurations for K3 shapes (K, N in {3584, 3072}: multiples of 256).
+# Decode (few rows per expert, the kernel streams weights, memory bound):
+#   one consumer warpgroup, 64-row tiles (a taller tile only adds wasted MMA
+#   and x traffic), 128-wide N, deep pipelines keep >= 190 KiB of TMA loads
+#   in flight per SM: fused 5 x 40 KiB + 16 KiB epilogue = 216 KiB, plain
+#   8 x 24 KiB + 16 KiB = 208 KiB.
+# Prefill (>= 128 rows per expert on average, compute bound): two consumer
+#   warpgroups share each weight tile over a 128-row x tile, doubling the
+#   MMA work per byte loaded: fused 4 x 48 KiB + 32 KiB = 224 KiB (two
+#   64x128 f32 accumulators = 128 registers/thread per consumer); plain uses
+#   256-wide N (one 64x256 accumulator per consumer), 3 x 48 KiB + 64 KiB.
+FUSED_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=5)
+PLAIN_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=8)
+FUSED_PREFILL = TileConfig(num_compute_wgs=2, block_n=128, max_concurrent_steps=4)
+PLAIN_PREFILL = TileConfig(num_compute_wgs=2, block_n=256, max_concurrent_steps=3)
+PREFILL_ROWS_PER_GROUP = 128  # average rows per group at which prefill tiles win
 
 
-def _fit_block(dim: int, preferred: int) -> int:
-    """Largest power-of-two block <= preferred dividing dim (0 when none >= 16 does)."""
+def default_config(num_rows: int, num_groups: int, num_weights: int) -> TileConfig:
+    """Static tile choice from the average rows per group (M / G)."""
+    prefill = num_rows >= PREFILL_ROWS_PER_GROUP * num_groups
+    if num_weights == 2:
+        return FUSED_PREFILL if prefill else FUSED_DECODE
+    return PLAIN_PREFILL if prefill else PLAIN_DECODE
+
+
+def _fit_block(dim: int, preferred: int, minimum: int) -> int:
+    """Largest power-of-two block in [minimum, preferred] dividing dim (0 if none)."""
     block = preferred
-    while block >= _MIN_BLOCK:
+    while block >= minimum:
         if dim % block == 0:
             return block
         block //= 2
@@ -165,72 +193,103 @@ def _store_rows(o_smem, o_gmem, *, row0, offset, count, col0, block_n: int, max_
         rows //= 2
 
 
-def _accumulate(x_gmem, w_gmems, *, group, m_block, n_block, cfg: TileConfig, num_k_steps: int):
-    """Run the K pipeline for one tile; returns one f32 [block_m, block_n] value per weight."""
-    num_w = len(w_gmems)
-
-    def scope(*acc_refs):
-        def step(_, x_smem, *w_smems):
-            for acc_ref, w_smem in zip(acc_refs, w_smems):
-                plgpu.wgmma(acc_ref, x_smem, w_smem)
-            # Keep this step's WGMMAs in flight; the previous step's are done,
-            # so its SMEM slot (held one extra step by delay_release) is free.
-            plgpu.wgmma_wait(num_w)
-
-        x_spec = plgpu.BlockSpec((cfg.block_m, cfg.block_k), lambda k: (m_block, k),
-                                 delay_release=1)
-        w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_n), lambda k: (k, n_block),
-                                 delay_release=1)
-        plgpu.emit_pipeline(
-            step, grid=(num_k_steps,), in_specs=[x_spec] + [w_spec] * num_w,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-        )(x_gmem, *[w.at[group] for w in w_gmems])
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-    accs = [plgpu.ACC((cfg.block_m, cfg.block_n), jnp.float32)] * num_w
-    return pl.run_scoped(scope, *accs)
+def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, num_k_steps: int):
+    """Warp-specialized K pipeline over one tile: x [block_m, K] and num_w
+    weights [K, block_n] stream through SMEM (TMA, producer warpgroup)."""
+    # delay_release stays 0: with 1, the last step of a tile never arrives on
+    # its "consumed" barrier, so the producer could refill that slot for the
+    # next tile of this persistent loop while its WGMMA still reads it.
+    x_spec = plgpu.BlockSpec((cfg.block_m, cfg.block_k), lambda k: (0, k))
+    w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_n), lambda k: (k, 0))
+    return plgpu.emit_pipeline_warp_specialized(
+        step_fn, grid=(num_k_steps,), memory_registers=40, in_specs=[x_spec] + [w_spec] * num_w,
+        wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
+        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
 
 
 def _make_body(*, epilogue: Callable, num_w: int, cfg: TileConfig, num_rows: int,
                num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, x_MK, *w_GKN, o_MN) for num_w weight operands."""
+    """Kernel body(meta_4W, x_MK, *w_GKN, o_MN) for num_w weight operands.
+
+    Every warpgroup walks the same (work item, N-block) sequence, so the
+    producer and the consumers always agree on which tiles run a pipeline.
+    """
+    wg_m = cfg.wg_block_m
+    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, num_k_steps=num_k_steps)
 
     def body(meta_gmem, x_gmem, *refs):
         w_gmems, o_gmem = refs[:num_w], refs[num_w]
         num_items = meta_gmem.shape[1]
+        ignore = lambda *_, **__: None
+        allocs = pipeline_for(ignore, ignore).get_allocations(x_gmem, *[w.at[0] for w in w_gmems])
 
-        @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
-        def _tile_loop(info: plgpu.NDLoopInfo):
-            item, n_block = plgpu.planar_snake(
-                info.index[0], (num_items, num_n_blocks), 1, cfg.grid_block_n)
-            group = meta_gmem[0, item]
-            m_block = meta_gmem[1, item]
-            offset = meta_gmem[2, item]
-            count = meta_gmem[3, item]
+        @functools.partial(pl.run_scoped, allocs=allocs,
+                           o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
+                           collective_axes="wg")
+        def _scope(allocs, o_smem):
+            wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
-            @pl.when(count > 0)
-            def _tile():
-                @functools.partial(
-                    pl.run_scoped, o_smem=plgpu.SMEM((cfg.block_m, cfg.block_n), out_dtype))
-                def _epilogue_scope(o_smem):
-                    @pl.when(group >= 0)
-                    def _matmul():
-                        accs = _accumulate(x_gmem, w_gmems, group=jnp.maximum(group, 0),
-                                           m_block=m_block, n_block=n_block, cfg=cfg,
-                                           num_k_steps=num_k_steps)
-                        o_smem[...] = epilogue(*accs).astype(out_dtype)
+            @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
+            def _tile_loop(info: plgpu.NDLoopInfo):
+                item, n_block = plgpu.planar_snake(
+                    info.index[0], (num_items, num_n_blocks), 1, cfg.grid_block_n)
+                group = meta_gmem[0, item]
+                m_block = meta_gmem[1, item]
+                offset = meta_gmem[2, item]
+                count = meta_gmem[3, item]
+                # This consumer's share of the item's rows [offset, offset + count).
+                lo = jnp.clip(offset - wg * wg_m, 0, wg_m)
+                hi = jnp.clip(offset + count - wg * wg_m, 0, wg_m)
 
-                    @pl.when(group < 0)
-                    def _zeros():
-                        o_smem[...] = jnp.zeros((cfg.block_m, cfg.block_n), out_dtype)
-
+                def store(tile):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
+                    o_smem[wg] = tile
                     plgpu.commit_smem()
-                    _store_rows(o_smem, o_gmem, row0=m_block * cfg.block_m, offset=offset,
-                                count=count, col0=n_block * cfg.block_n,
-                                block_n=cfg.block_n, max_rows=min(cfg.block_m, num_rows))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    _store_rows(o_smem.at[wg], o_gmem, row0=m_block * cfg.block_m + wg * wg_m,
+                                offset=lo, count=hi - lo, col0=n_block * cfg.block_n,
+                                block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
+
+                def mma(_, x_smem, *rest):
+                    w_smems, accs = rest[:num_w], rest[num_w]
+                    for acc, w_smem in zip(accs, w_smems):
+                        plgpu.wgmma(acc, x_smem.at[pl.ds(wg * wg_m, wg_m)], w_smem)
+                    # The slot is released when this step returns (delay_release=0),
+                    # so its WGMMAs must be done reading it; the other consumer
+                    # warpgroup's WGMMAs keep the tensor cores busy meanwhile.
+                    plgpu.wgmma_wait(0)
+                    return accs
+
+                def compute_context(run_pipeline):
+                    accs = [plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * num_w
+
+                    @functools.partial(pl.run_scoped, accs=accs)
+                    def _acc_scope(accs):
+                        run_pipeline(tuple(accs))
+                        store(epilogue(*[acc[...] for acc in accs]).astype(out_dtype))
+
+                @pl.when((count > 0) & (group >= 0))
+                def _matmul():
+                    cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
+                    pipeline_for(mma, compute_context)(
+                        x_gmem.at[pl.ds(m_block * cfg.block_m, cfg.block_m), :],
+                        *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                        allocations=allocs)
+
+                @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
+                def _zeros():  # tail rows past sum(group_sizes): no matmul
+                    store(jnp.zeros((wg_m, cfg.block_n), out_dtype))
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return body
+
+
+def fit_stages(cfg: TileConfig, num_weights: int, in_itemsize: int, out_itemsize: int) -> TileConfig:
+    """Drop pipeline stages (to >= 2) until the kernel fits the SMEM limit."""
+    while (cfg.max_concurrent_steps > 2 and cfg.smem_bytes(num_weights, in_itemsize, out_itemsize)
+           > SMEM_LIMIT - _SMEM_RESERVE):
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+    return cfg
 
 
 def _interpret_params(interpret) -> plgpu.InterpretGPUParams | None:
@@ -253,19 +312,24 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.bfloat16)
 
 
-def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig, interpret):
+def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
     """Shared launcher: fit blocks to the shapes, pad if needed, build metadata, run."""
     m, k = x_MK.shape
-    n = w_GKNs[0].shape[2]
+    num_groups, _, n = w_GKNs[0].shape
     out_dtype = x_MK.dtype
     in_dtype = _compute_dtype(x_MK.dtype)
-    block_k = _fit_block(k, cfg.block_k) or cfg.block_k
-    block_n = _fit_block(n, cfg.block_n) or cfg.block_n
+    cfg = cfg or default_config(m, num_groups, len(w_GKNs))
+    # block_k >= 16: the bf16 WGMMA K step. block_n: output tile rows of >= 128
+    # bytes keep every row-offset TMA store from SMEM 128-byte aligned.
+    block_k = _fit_block(k, cfg.block_k, _MIN_BLOCK) or cfg.block_k
+    min_n = max(_MIN_BLOCK, 128 // jnp.dtype(out_dtype).itemsize)
+    block_n = _fit_block(n, cfg.block_n, min_n) or cfg.block_n
     cfg = dataclasses.replace(cfg, block_k=block_k, block_n=block_n)
+    cfg = fit_stages(cfg, len(w_GKNs), in_dtype.itemsize, jnp.dtype(out_dtype).itemsize)
     k_pad, n_pad, m_pad = _round_up(k, block_k), _round_up(n, block_n), _round_up(m, cfg.block_m)
 
     # x rows are padded so every M-block read is in bounds; K/N are padded only
-    # when no power-of-two block >= 16 divides them (never for K3 shapes).
+    # when no allowed power-of-two block divides them (never for K3 shapes).
     x_MK = _pad_axis(_pad_axis(x_MK.astype(in_dtype), 0, m_pad), 1, k_pad)
     w_GKNs = [_pad_axis(_pad_axis(w.astype(in_dtype), 1, k_pad), 2, n_pad) for w in w_GKNs]
     meta_4W = work_items_4W(group_sizes_G, m, cfg.block_m)
@@ -278,6 +342,8 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig, int
         out_type=jax.ShapeDtypeStruct((m, n_pad), out_dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
+        num_threads=cfg.num_compute_wgs + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
@@ -286,17 +352,23 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig, int
     return y_MN if n_pad == n else y_MN[:, :n]
 
 
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, config: TileConfig = PLAIN_CONFIG,
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, config: TileConfig | None = None,
                    interpret: bool | plgpu.InterpretGPUParams = False):
-    """y_MN = x_MK @ w_GKN[group(row)] (f32 accumulate, x dtype); tail rows are 0."""
+    """y_MN = x_MK @ w_GKN[group(row)] (f32 accumulate, x dtype); tail rows are 0.
+
+    config=None picks PLAIN_DECODE / PLAIN_PREFILL from M / G (default_config).
+    """
     return _grouped_call(x_MK, [w_GKN], group_sizes_G, epilogue=lambda acc: acc,
                          cfg=config, interpret=interpret)
 
 
 def grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, *, beta: float,
-                     linear_beta: float | None, config: TileConfig = FUSED_CONFIG,
+                     linear_beta: float | None, config: TileConfig | None = None,
                      interpret: bool | plgpu.InterpretGPUParams = False):
-    """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) fused in one kernel; tail rows are 0."""
+    """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) fused in one kernel; tail rows are 0.
+
+    config=None picks FUSED_DECODE / FUSED_PREFILL from M / G (default_config).
+    """
     epilogue = functools.partial(situ_glu_f32, beta=beta, linear_beta=linear_beta)
     return _grouped_call(x_MK, [w_gate_GKN, w_up_GKN], group_sizes_G, epilogue=epilogue,
                          cfg=config, interpret=interpret)

@@ -15,15 +15,15 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
 
-# Dense shapes: D = 7168 (K), F = 6144 / tp (N: 6144, 3072, 1536, 768, ...).
-# Same tiles as the fused MoE kernel: two 64x128 f32 accumulators, 4 stages.
-DENSE_CONFIG = grouped.FUSED_CONFIG
-
 
 def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: float,
-                linear_beta: float | None, config: grouped.TileConfig = DENSE_CONFIG,
+                linear_beta: float | None, config: grouped.TileConfig | None = None,
                 interpret: bool | grouped.plgpu.InterpretGPUParams = False) -> jax.Array:
-    """x_TD [T, D], gate_DF / up_DF [D, F] -> h_TF [T, F] = situ_glu(x@gate, x@up)."""
+    """x_TD [T, D], gate_DF / up_DF [D, F] -> h_TF [T, F] = situ_glu(x@gate, x@up).
+
+    Dense shapes: D = 7168 (K), F = 6144 / tp (N). config=None uses the fused
+    grouped tiles for G = 1: FUSED_DECODE below 128 tokens, FUSED_PREFILL above.
+    """
     all_rows_1 = jnp.full((1,), x_TD.shape[0], jnp.int32)
     return grouped.grouped_situ_glu(x_TD, gate_DF[None], up_DF[None], all_rows_1,
                                     beta=beta, linear_beta=linear_beta, config=config,

@@ -4,6 +4,8 @@ schedule, sm_90 lowering at K3 shapes, dispatch and shape validation."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import sys
 
@@ -13,15 +15,15 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_cases as kc  # noqa: E402
+import kernel_cases as kc
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
 
-from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend  # noqa: E402
-from pallas_kernels.grouped_matmul import mosaic_sm90, reference  # noqa: E402
+from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
+from pallas_kernels.grouped_matmul import mosaic_sm90, reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-SITU = dict(beta=kc.BETA, linear_beta=kc.LINEAR_BETA)
+SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 
 # (m, k, n, g, pattern, dtype, poison). K3 aspect ratios at small scale: a wide
 # K to a narrower N (latent -> intermediate) and back (down). Cases sharing a
@@ -33,14 +35,15 @@ PLAIN_CASES = [
     (96, 128, 96, 4, "one_group_all", BF16, False),
     (96, 128, 96, 4, "all_empty", BF16, True),
     (50, 96, 128, 3, "uniform", F32, False),
-    (200, 32, 32, 3, "zeros_skewed", BF16, True),  # one group spans 4 M-blocks
+    # >= 128 rows per group: prefill tiles (2 consumer warpgroups, 128-row tiles);
+    # a group spans 3 M-blocks and the tail starts mid-block.
+    (300, 32, 64, 2, "sum_lt_m", BF16, True),
 ]
 FUSED_CASES = [
     (100, 112, 96, 4, "zeros_skewed", BF16, False),  # K = 7 x 16: block_k falls to 16
     (100, 112, 96, 4, "sum_lt_m", BF16, True),
-    (70, 96, 128, 3, "uniform", F32, False),
-    (70, 96, 128, 3, "one_group_all", F32, True),
-]
+]  # f32 inputs of the fused path: test_kernels_situ_mlp.py; prefill tiles: the race test
+
 
 # Module-level jits so cases with equal shapes hit the compilation cache.
 _plain_interpret = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))
@@ -83,11 +86,13 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
 
 
 def test_interpret_race_detector_finds_no_races():
-    """GPU interpret mode's happens-before race detector over SMEM/TMA traffic
-    (this run also covers linear_beta=None and a non-default beta)."""
+    """GPU interpret mode's happens-before race detector over SMEM/TMA traffic, on
+    the prefill tiles (2 consumer warpgroups + the TMA producer, 128-row blocks);
+    also covers linear_beta=None, a non-default beta and NaN rows past the sum."""
     races_mod = pytest.importorskip(
         "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-    x, (wg, wu), sizes = _inputs((100, 32, 64, 3, "zeros_skewed", BF16, False), 2)
+    x, (wg, wu), sizes = _inputs((300, 96, 64, 2, "sum_lt_m", BF16, True), 2)
+    assert mosaic_sm90.default_config(300, 2, 2) == mosaic_sm90.FUSED_PREFILL
     params = plgpu.InterpretGPUParams(detect_races=True)
     out = mosaic_sm90.grouped_situ_glu(x, wg, wu, jnp.asarray(sizes), beta=2.0,
                                        linear_beta=None, interpret=params)
@@ -126,7 +131,7 @@ def test_reference_matches_float64_numpy_loop(pattern):
 def test_work_items_cover_every_row_exactly_once(block_m):
     rng = np.random.default_rng(block_m)
     for m, g in [(1, 1), (63, 5), (64, 3), (65, 11), (300, 7)]:
-        table = jax.jit(lambda s: mosaic_sm90.work_items_4W(s, m, block_m))
+        table = jax.jit(functools.partial(mosaic_sm90.work_items_4W, num_rows=m, block_m=block_m))
         for trial in range(8):
             cuts = np.sort(rng.integers(0, m + 1, size=g))  # sum(sizes) = cuts[-1] <= m
             if trial == 0:
@@ -145,27 +150,36 @@ def test_work_items_cover_every_row_exactly_once(block_m):
             np.testing.assert_array_equal(owner, expected, err_msg=str(sizes))
 
 
-@pytest.mark.parametrize("num_groups", [112, 56, 28])  # K3 local experts at EP 8 / 16 / 32
-def test_lowers_for_sm90_at_k3_shapes(num_groups):
+# K3 local experts at EP 8 / 32 (112 / 28): decode tiles (M / G < 128) at EP 8,
+# prefill tiles (2 consumer warpgroups) at EP 32.
+@pytest.mark.parametrize("num_groups,m", [(112, 300), (28, 4096)])
+def test_lowers_for_sm90_at_k3_shapes(num_groups, m):
     """Mosaic GPU lowering + layout inference + the 227 KiB SMEM budget (no GPU needed)."""
     S = jax.ShapeDtypeStruct
     sizes = S((num_groups,), jnp.int32)
-    for m in (100, 4096):
-        fused = kc.lower_for_sm90(
-            lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="pallas", **SITU),
-            S((m, 3584), BF16), S((num_groups, 3584, 3072), BF16),
-            S((num_groups, 3584, 3072), BF16), sizes)
-        plain = kc.lower_for_sm90(lambda x, w, s: grouped_matmul(x, w, s, backend="pallas"),
-                                  S((m, 3072), BF16), S((num_groups, 3072, 3584), BF16), sizes)
-        assert "mosaic_gpu" in fused and "mosaic_gpu" in plain
+    fused = kc.lower_for_sm90(
+        lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="pallas", **SITU),
+        S((m, 3584), BF16), S((num_groups, 3584, 3072), BF16),
+        S((num_groups, 3584, 3072), BF16), sizes)
+    plain = kc.lower_for_sm90(lambda x, w, s: grouped_matmul(x, w, s, backend="pallas"),
+                              S((m, 3072), BF16), S((num_groups, 3072, 3584), BF16), sizes)
+    assert "mosaic_gpu" in fused and "mosaic_gpu" in plain
 
 
-def test_smem_budget_of_chosen_configs():
-    limit = 227 * 1024
-    assert mosaic_sm90.FUSED_CONFIG.smem_bytes(2, 2, 2) <= limit
-    assert mosaic_sm90.PLAIN_CONFIG.smem_bytes(1, 2, 2) <= limit
-    too_deep = mosaic_sm90.TileConfig(max_concurrent_steps=8)
+def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
+    limit = mosaic_sm90.SMEM_LIMIT
+    for cfg, num_w in [(mosaic_sm90.FUSED_DECODE, 2), (mosaic_sm90.FUSED_PREFILL, 2),
+                       (mosaic_sm90.PLAIN_DECODE, 1), (mosaic_sm90.PLAIN_PREFILL, 1)]:
+        assert cfg.smem_bytes(num_w, 2, 2) <= limit, cfg
+        # f32 outputs (f32 inputs) shrink the pipeline instead of overflowing SMEM
+        assert mosaic_sm90.fit_stages(cfg, num_w, 2, 4).smem_bytes(num_w, 2, 4) <= limit, cfg
+    assert mosaic_sm90.default_config(256, 112, 2) == mosaic_sm90.FUSED_DECODE
+    assert mosaic_sm90.default_config(128 * 112, 112, 2) == mosaic_sm90.FUSED_PREFILL
+    assert mosaic_sm90.default_config(4096, 28, 1) == mosaic_sm90.PLAIN_PREFILL
+    # Mosaic's own SMEM check agrees with smem_bytes: one stage too many fails to lower.
+    too_deep = dataclasses.replace(mosaic_sm90.FUSED_PREFILL, max_concurrent_steps=5)
     assert too_deep.smem_bytes(2, 2, 2) > limit
+    monkeypatch.setattr(mosaic_sm90, "fit_stages", lambda cfg, *_: cfg)
     S = jax.ShapeDtypeStruct
     with pytest.raises(ValueError, match="shared memory"):
         kc.lower_for_sm90(
@@ -178,9 +192,8 @@ def test_backend_dispatch():
     assert resolve_backend("xla") == "xla"
     assert resolve_backend("interpret") == "interpret"
     assert resolve_backend("pallas") == "pallas"
-    expected_auto = "pallas" if jax.default_backend() == "gpu" else "xla"
     if jax.default_backend() != "gpu":
-        assert resolve_backend("auto") == expected_auto
+        assert resolve_backend("auto") == "xla"
     with pytest.raises(ValueError, match="'triton'"):
         resolve_backend("triton")
     x, (w,), sizes = _inputs((16, 8, 8, 2, "uniform", F32, False), 1)

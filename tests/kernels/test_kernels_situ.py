@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_cases as kc  # noqa: E402
+import kernel_cases as kc
 
-from pallas_kernels import situ_glu  # noqa: E402
+from pallas_kernels import situ_glu
 
 
 @pytest.mark.parametrize("linear_beta", [kc.LINEAR_BETA, None])

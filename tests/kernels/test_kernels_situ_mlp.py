@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_cases as kc  # noqa: E402
+import kernel_cases as kc
 
-from pallas_kernels import situ_mlp_up  # noqa: E402
-from pallas_kernels.situ_mlp import reference  # noqa: E402
+from pallas_kernels import situ_mlp_up
+from pallas_kernels.situ_mlp import reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-SITU = dict(beta=kc.BETA, linear_beta=kc.LINEAR_BETA)
+SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 
 
 def _inputs(seed, t, d, f, dtype):
@@ -27,9 +27,10 @@ def _inputs(seed, t, d, f, dtype):
             kc.normal(ku, (d, f), dtype, d ** -0.5))
 
 
-# (T, D, F, dtype): T not a multiple of the 64-row block, D wide -> F narrower
-# (the shared expert's 7168 -> 6144/tp at small scale), and f32 inputs.
-@pytest.mark.parametrize("t,d,f,dtype", [(70, 128, 96, BF16), (40, 96, 128, F32)])
+# (T, D, F, dtype): D wide -> F narrower (the shared expert's 7168 -> 6144/tp at
+# small scale); T = 130 takes the prefill tiles (2 consumer warpgroups, 128-row
+# blocks, last block partial), T = 40 the decode tiles with f32 inputs.
+@pytest.mark.parametrize("t,d,f,dtype", [(130, 128, 96, BF16), (40, 96, 128, F32)])
 def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
     x, gate, up = _inputs(t + d + f, t, d, f, dtype)
     out = jax.jit(lambda a, b, c: situ_mlp_up(a, b, c, backend="interpret", **SITU))(x, gate, up)
@@ -48,13 +49,13 @@ def test_reference_matches_float64_numpy():
                     "linear_beta=None")
 
 
-@pytest.mark.parametrize("f", [6144, 768])  # shared expert width, unsharded and at tp=8
-def test_lowers_for_sm90_at_k3_shapes(f):
+# Shared expert width unsharded (prefill-sized T) and at tp=8 (decode-sized T).
+@pytest.mark.parametrize("t,f", [(2048, 6144), (8, 768)])
+def test_lowers_for_sm90_at_k3_shapes(t, f):
     S = jax.ShapeDtypeStruct
-    for t in (8, 2048):
-        text = kc.lower_for_sm90(lambda a, b, c: situ_mlp_up(a, b, c, backend="pallas", **SITU),
-                                 S((t, 7168), BF16), S((7168, f), BF16), S((7168, f), BF16))
-        assert "mosaic_gpu" in text
+    text = kc.lower_for_sm90(lambda a, b, c: situ_mlp_up(a, b, c, backend="pallas", **SITU),
+                             S((t, 7168), BF16), S((7168, f), BF16), S((7168, f), BF16))
+    assert "mosaic_gpu" in text
 
 
 def test_validation_and_dispatch():

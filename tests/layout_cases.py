@@ -1,0 +1,161 @@
+"""The parallel layouts under test (issue 3) and cached, jitted modules for them.
+
+Shared by test_layouts_numerics, test_collectives, test_param_bytes and
+test_sequence_parallel (one pytest process, so a layout's module is built
+once however many tests use it). Import as ``from layout_cases import ...``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import TINY, AbstractSource, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
+
+SEED = 0
+DENSE_LAYER, MOE_LAYER = 0, 1
+
+# name -> ParallelConfig; every layout the issue lists (8 devices except "single").
+LAYOUTS: dict[str, ParallelConfig] = {
+    "single": ParallelConfig(),
+    "dp8": ParallelConfig(dp=8),
+    "tp8": ParallelConfig(tp=8),
+    "dp2_tp4": ParallelConfig(dp=2, tp=4),
+    "sp_tp8_repl": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=False),
+    "sp_tp8_shard": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=True),
+    "sp_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, shard_shared_expert=True),
+    "sp_ep_tp8_repl": ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
+                                     shard_shared_expert=False),
+    "sp_ep_tp8_shard": ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
+                                      shard_shared_expert=True),
+    "sp_ep_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
+                                          shard_shared_expert=True),
+    "ep_dp8": ParallelConfig(dp=8, expert_parallel=True),
+}
+MULTI_DEVICE = [name for name in LAYOUTS if name != "single"]
+# Not one of the issue's layouts: vLLM's pre-fix padding under EP, for the padding tests.
+EXTRA_LAYOUTS: dict[str, ParallelConfig] = {
+    "ep_dp8_pad_under_ep": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),
+}
+_ALL = {**LAYOUTS, **EXTRA_LAYOUTS}
+
+
+def _module_key(cfg, name: str, layer: int):
+    """Layouts that give the dense MLP the same placement share one module."""
+    layout = make_layout(cfg, _ALL[name])
+    if cfg.is_moe_layer(layer):
+        return name
+    par = layout.parallel
+    return (layout.dense_mlp, layout.token_axes, par.dp, par.tp)
+
+
+_MODULES: dict = {}
+
+
+def _build(cfg, name: str, layer: int, dtype_name: str):
+    par = _ALL[name]
+    module = build_layer(make_layout(cfg, par), layer, make_mesh(par), source=RandomSource(SEED),
+                         dtype=jnp.dtype(dtype_name), backend="xla")
+    graph, state = nnx.split(module)
+    fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD))
+    return module, state, fn
+
+
+def module(cfg, name: str, layer: int, dtype=jnp.float32):
+    """(module, nnx state, jitted f(state, x_TD) -> y_TD) for a layout, built with RandomSource(SEED)."""
+    dtype_name = jnp.dtype(dtype).name
+    key = (cfg, _module_key(cfg, name, layer), layer, dtype_name)
+    if key not in _MODULES:
+        _MODULES[key] = _build(cfg, name, layer, dtype_name)
+    return _MODULES[key]
+
+
+@functools.cache
+def _output(cfg, name: str, layer: int, dtype_name: str, T: int) -> np.ndarray:
+    _, state, fn = module(cfg, name, layer, dtype_name)
+    y_TD = fn(state, inputs(cfg, T, dtype_name))
+    assert y_TD.shape == (T, cfg.hidden_size) and y_TD.dtype == jnp.dtype(dtype_name)
+    return np.asarray(y_TD.astype(jnp.float32))
+
+
+def output(cfg, name: str, layer: int, T: int, dtype=jnp.float32) -> np.ndarray:
+    """Layer output [T, D] (as float32 numpy) of ``layout`` on the standard input."""
+    return _output(cfg, name, layer, jnp.dtype(dtype).name, T)
+
+
+def inputs(cfg, T: int, dtype=jnp.float32) -> jax.Array:
+    """Fresh normal x_TD [T, D] (a fixed key per T, so every layout sees the same)."""
+    x_TD = jax.random.normal(jax.random.key(1000 + T), (T, cfg.hidden_size), jnp.float32)
+    return x_TD.astype(dtype)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (NaN in either gives NaN, which fails any <)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+# -- compiled HLO ------------------------------------------------------------
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# "%name = <shape> opcode(" -- the opcode is the first lower-case word followed by "(".
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+
+
+def count_collectives(hlo_text: str) -> Counter:
+    """{collective: number of instructions} in compiled HLO text.
+
+    Reads each instruction's opcode (not its name, so fusions or values named
+    after a collective are not counted); an async pair "X-start"/"X-done"
+    counts once, as X."""
+    counts: Counter = Counter()
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op.endswith("-done"):
+            continue
+        op = op.removesuffix("-start")
+        if op in COLLECTIVES:
+            counts[op] += 1
+    return counts
+
+
+def compiled_hlo(cfg, name: str, layer: int, T: int, dtype=jnp.float32) -> str:
+    """Compiled HLO of the layer's forward, with abstract weights (nothing allocated)
+    and x_TD [T, D] placed as the layout places token rows (replicated when T
+    does not split evenly)."""
+    par = _ALL[name]
+    layout, mesh = make_layout(cfg, par), make_mesh(par)
+    module = build_layer(layout, layer, mesh, source=AbstractSource(), dtype=dtype, backend="xla")
+    graph, state = nnx.split(module)
+    spec = layout.x_TD if T % layout.row_shards == 0 else jax.sharding.PartitionSpec()
+    x_TD = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.dtype(dtype),
+                                sharding=jax.sharding.NamedSharding(mesh, spec))
+    fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD))
+    return fn.lower(state, x_TD).compile().as_text()
+
+
+__all__ = [
+    "COLLECTIVES",
+    "DENSE_LAYER",
+    "EXTRA_LAYOUTS",
+    "LAYOUTS",
+    "MOE_LAYER",
+    "MULTI_DEVICE",
+    "SEED",
+    "TINY",
+    "compiled_hlo",
+    "count_collectives",
+    "inputs",
+    "module",
+    "output",
+    "rel_err",
+]

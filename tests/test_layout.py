@@ -1,0 +1,295 @@
+"""k3jax.layout: the shared-expert gate (SPEC 4), ParallelConfig validation,
+make_mesh errors, the padding rule (SPEC 5) and the Layout's properties.
+
+Everything here is planning (no weights), so K3's full sizes are used.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import (
+    DATA,
+    K3,
+    TENSOR,
+    TINY,
+    Layout,
+    MlpMode,
+    MoEMode,
+    ParallelConfig,
+    make_layout,
+    make_mesh,
+    mlp_layout,
+    padded_moe_intermediate,
+)
+from k3jax.layout import SHARD_SHARED_EXPERT_ENV
+
+H, SHARED_I, DENSE_I = 7168, 6144, 33792       # K3 hidden, shared expert (2 x 3072), dense MLP
+ENV = SHARD_SHARED_EXPERT_ENV
+
+
+def sp(tp, shard, dp=1, **kw):
+    return ParallelConfig(dp=dp, tp=tp, sequence_parallel=True, shard_shared_expert=shard, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_opt_in(monkeypatch):
+    """The gate's default must not depend on the caller's environment."""
+    monkeypatch.delenv(ENV, raising=False)
+
+
+# -- the gate: SPEC 4's five cases --------------------------------------------
+def test_gate_on_sp_tp8_shards_over_the_tensor_axis():
+    gate = mlp_layout(sp(8, True), H, SHARED_I)
+    assert gate.mode is MlpMode.SP_SHARDED
+    assert gate.weight_axes == (TENSOR,)
+    assert gate.param_specs == {"gate_DF": P(None, (TENSOR,)), "up_DF": P(None, (TENSOR,)),
+                                "down_FD": P((TENSOR,), None)}
+    assert gate.collectives == ("all-gather", "reduce-scatter")
+    assert (gate.hidden, gate.intermediate) == (H, SHARED_I)
+
+
+def test_gate_off_sp_tp8_replicates():
+    gate = mlp_layout(sp(8, False), H, SHARED_I)
+    assert gate.mode is MlpMode.REPLICATED and gate.weight_axes == ()
+    assert gate.param_specs == {"gate_DF": P(None, None), "up_DF": P(None, None),
+                                "down_FD": P(None, None)}
+    assert gate.collectives == ()
+    assert "opt-in" in gate.reason
+
+
+def test_gate_on_without_sp_is_plain_tp_not_the_sp_layout():
+    gate = mlp_layout(ParallelConfig(tp=8, shard_shared_expert=True), H, SHARED_I)
+    assert gate.mode is not MlpMode.SP_SHARDED
+    assert gate.mode is MlpMode.TP and gate.collectives == ("all-reduce",)
+
+
+def test_gate_on_sp_tp1_is_rejected_and_tp1_never_shards():
+    with pytest.raises(ValueError, match=r"sequence_parallel needs tp > 1"):
+        sp(1, True)
+    gate = mlp_layout(ParallelConfig(tp=1, shard_shared_expert=True), H, SHARED_I)
+    assert gate.mode is MlpMode.REPLICATED and gate.weight_axes == ()
+    assert "sequence parallel" in gate.reason
+    dp8 = mlp_layout(ParallelConfig(dp=8, shard_shared_expert=True), H, SHARED_I)
+    assert dp8.mode is MlpMode.REPLICATED and dp8.weight_axes == ()
+
+
+def test_gate_on_sp_tp5_does_not_shard_and_says_why():
+    gate = mlp_layout(sp(5, True), H, SHARED_I)          # 7168 % 5 = 3, 6144 % 5 = 4
+    assert gate.mode is MlpMode.REPLICATED and gate.weight_axes == ()
+    assert "tp=5" in gate.reason and "not divisible" in gate.reason
+
+
+@pytest.mark.parametrize("tp, hidden, inter, shards", [
+    (16, H, SHARED_I, True),        # both divide
+    (32, H, SHARED_I, True),
+    (3, H, SHARED_I, False),        # 6144 % 3 == 0 but 7168 % 3 == 1: hidden fails
+    (7, H, SHARED_I, False),        # 7168 % 7 == 0 but 6144 % 7 == 5: intermediate fails
+    (8, H, SHARED_I + 4, False),    # intermediate % 8 == 4
+    (8, H + 4, SHARED_I, False),    # hidden % 8 == 4
+])
+def test_gate_divisibility(tp, hidden, inter, shards):
+    gate = mlp_layout(sp(tp, True), hidden, inter)
+    assert (gate.mode is MlpMode.SP_SHARDED) is shards
+    assert gate.weight_axes == ((TENSOR,) if shards else ())
+
+
+# -- the opt-in: explicit bool, else the environment variable ------------------
+@pytest.mark.parametrize("env, explicit, shards", [
+    (None, None, False),           # default off
+    ("1", None, True),
+    ("0", None, False),
+    ("", None, False),
+    ("1", False, False),           # the explicit bool wins
+    ("0", True, True),
+    ("yes", True, True),           # a bad value is never read when the bool is given
+])
+def test_env_fallback(monkeypatch, env, explicit, shards):
+    if env is not None:
+        monkeypatch.setenv(ENV, env)
+    par = sp(8, explicit)
+    assert par.shard_shared_expert_requested is shards
+    assert (mlp_layout(par, H, SHARED_I).mode is MlpMode.SP_SHARDED) is shards
+    assert (make_layout(K3, par).shared_mlp.mode is MlpMode.SP_SHARDED) is shards
+
+
+@pytest.mark.parametrize("bad", ["yes", "true", "2", "on"])
+def test_env_bad_value_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(ValueError, match=rf"{ENV} must be 0 or 1, got '{bad}'"):
+        mlp_layout(sp(8, None), H, SHARED_I)
+
+
+# -- one gate for the dense MLP and the shared expert --------------------------
+@pytest.mark.parametrize("par", [sp(8, True), sp(8, False), sp(4, True, dp=2), sp(16, True),
+                                 ParallelConfig(tp=8), ParallelConfig(dp=8)],
+                         ids=["sp8-on", "sp8-off", "sp-dp2-tp4-on", "sp16-on", "tp8", "dp8"])
+def test_same_gate_serves_dense_mlp_and_shared_expert(par):
+    layout = make_layout(K3, par)
+    assert layout.dense_mlp == mlp_layout(par, H, DENSE_I)
+    assert layout.shared_mlp == mlp_layout(par, H, SHARED_I)
+    assert K3.intermediate_size == DENSE_I and K3.shared_intermediate_size == SHARED_I
+
+
+def test_dense_and_shared_can_differ_by_divisibility():
+    """Same gate, different widths: 33796 % 8 == 4 keeps the dense MLP
+    replicated while the shared expert (6144) shards."""
+    cfg = K3.replace(intermediate_size=DENSE_I + 4)
+    layout = make_layout(cfg, sp(8, True))
+    assert layout.shared_mlp.mode is MlpMode.SP_SHARDED
+    assert layout.dense_mlp.mode is MlpMode.REPLICATED and "33796" in layout.dense_mlp.reason
+    assert make_layout(K3, sp(8, True)).dense_mlp.mode is MlpMode.SP_SHARDED
+
+
+# -- validation errors name the culprit ----------------------------------------
+def test_make_mesh_rejects_a_device_count_mismatch(eight_devices):
+    with pytest.raises(ValueError, match=r"dp \* tp = 2 \* 8 = 16 but 8 devices"):
+        make_mesh(ParallelConfig(dp=2, tp=8))
+    with pytest.raises(ValueError, match=r"dp \* tp = 1 \* 4 = 4 but 8 devices"):
+        make_mesh(ParallelConfig(tp=4), devices=eight_devices)
+    mesh = make_mesh(ParallelConfig(dp=2, tp=4), devices=eight_devices)
+    assert dict(mesh.shape) == {DATA: 2, TENSOR: 4}
+
+
+def test_experts_must_divide_the_ep_size():
+    with pytest.raises(ValueError, match=r"num_experts 896 is not divisible by the EP size "
+                                         r"dp\*tp = 256"):
+        make_layout(K3, sp(8, False, dp=32, expert_parallel=True))
+    with pytest.raises(ValueError, match=r"num_experts 16 .* EP size dp\*tp = 3"):
+        make_layout(TINY, ParallelConfig(dp=3, expert_parallel=True))
+    assert make_layout(K3, sp(8, False, dp=16, expert_parallel=True)).local_experts == 7
+
+
+@pytest.mark.parametrize("kwargs, culprit", [
+    ({"tp": 1, "sequence_parallel": True}, r"sequence_parallel needs tp > 1"),
+    ({"dp": 8, "sequence_parallel": True}, r"sequence_parallel needs tp > 1"),
+    ({"tp": 8, "expert_parallel": True}, r"expert_parallel with tp > 1 needs sequence_parallel"),
+    ({"tp": 8, "pad_under_ep": True}, r"pad_under_ep only means something with expert_parallel"),
+    ({"dp": 0}, r"ParallelConfig.dp must be a positive integer, got 0"),
+    ({"tp": 2.0}, r"ParallelConfig.tp must be a positive integer, got 2.0"),
+    ({"tp": True}, r"ParallelConfig.tp must be a positive integer, got True"),
+])
+def test_parallel_config_validation(kwargs, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        ParallelConfig(**kwargs)
+
+
+def test_plain_tp_rejects_sizes_it_cannot_split():
+    with pytest.raises(ValueError, match=r"intermediate size 6144 is not divisible by tp=5"):
+        mlp_layout(ParallelConfig(tp=5), H, SHARED_I)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 3072 is not divisible by tp=5"):
+        make_layout(K3, ParallelConfig(tp=5))
+    with pytest.raises(ValueError, match=r"intermediate size 33796 is not divisible by tp=8"):
+        make_layout(K3.replace(intermediate_size=DENSE_I + 4), ParallelConfig(tp=8))
+
+
+# -- padding (SPEC 5) ------------------------------------------------------------
+@pytest.mark.parametrize("shards, padded", [(1, 3072), (8, 3072), (16, 4096), (32, 8192)])
+def test_padded_moe_intermediate_spec_cases(shards, padded):
+    assert padded_moe_intermediate(3072, shards, 256) == padded
+
+
+@pytest.mark.parametrize("tp, padded", [(8, 3072), (16, 4096), (32, 8192)])
+def test_plain_tp_layout_pads(tp, padded):
+    layout = make_layout(K3, ParallelConfig(tp=tp))
+    assert (layout.moe_mode, layout.expert_shards, layout.padded_moe_intermediate) == (
+        MoEMode.TP, tp, padded)
+
+
+@pytest.mark.parametrize("dp, tp, old", [(1, 8, 3072), (2, 8, 4096), (4, 8, 8192)])
+def test_ep_never_pads_unless_asked_for_the_old_behaviour(dp, tp, old):
+    layout = make_layout(K3, sp(tp, None, dp=dp, expert_parallel=True))
+    ep = dp * tp
+    assert layout.parallel.ep == ep
+    assert (layout.moe_mode, layout.expert_shards, layout.padded_moe_intermediate) == (
+        MoEMode.EP, 1, 3072)
+    assert layout.local_experts == 896 // ep
+    old_layout = make_layout(K3, sp(tp, None, dp=dp, expert_parallel=True, pad_under_ep=True))
+    assert old_layout.padded_moe_intermediate == old
+    assert old_layout.expert_shards == 1
+
+
+def test_tiny_pads_at_tp8_only():
+    """TINY's min 16 per partition: 64 / 8 = 8 < 16 pads to 128; 64 / 4 = 16 does not."""
+    assert make_layout(TINY, ParallelConfig(tp=8)).padded_moe_intermediate == 128
+    assert make_layout(TINY, sp(8, True)).padded_moe_intermediate == 128
+    assert make_layout(TINY, ParallelConfig(tp=4)).padded_moe_intermediate == 64
+    assert make_layout(TINY, sp(8, True, expert_parallel=True)).padded_moe_intermediate == 64
+
+
+# -- Layout properties -------------------------------------------------------------
+# name: (parallel, moe_mode, shared mode, token_axes, row_shards, expert_axes,
+#        dispatch_axes, shared_overlaps_routed)
+REPL, SPS, TP = MlpMode.REPLICATED, MlpMode.SP_SHARDED, MlpMode.TP
+LAYOUT_TABLE = {
+    "single": (ParallelConfig(), MoEMode.LOCAL, REPL, (DATA,), 1, (), (), True),
+    "dp8": (ParallelConfig(dp=8), MoEMode.LOCAL, REPL, (DATA,), 8, (), (), True),
+    "tp8": (ParallelConfig(tp=8), MoEMode.TP, TP, (DATA,), 1, (), (), False),
+    "dp2_tp4": (ParallelConfig(dp=2, tp=4), MoEMode.TP, TP, (DATA,), 2, (), (), False),
+    "sp_tp8_repl": (sp(8, False), MoEMode.TP, REPL, (DATA, TENSOR), 8, (), (TENSOR,), True),
+    "sp_tp8_shard": (sp(8, True), MoEMode.TP, SPS, (DATA, TENSOR), 8, (), (TENSOR,), True),
+    "sp_dp2_tp4_shard": (sp(4, True, dp=2), MoEMode.TP, SPS, (DATA, TENSOR), 8, (), (TENSOR,),
+                         True),
+    "sp_ep_tp8_repl": (sp(8, False, expert_parallel=True), MoEMode.EP, REPL, (DATA, TENSOR), 8,
+                       (DATA, TENSOR), (DATA, TENSOR), True),
+    "sp_ep_tp8_shard": (sp(8, True, expert_parallel=True), MoEMode.EP, SPS, (DATA, TENSOR), 8,
+                        (DATA, TENSOR), (DATA, TENSOR), True),
+    "sp_ep_dp2_tp4_shard": (sp(4, True, dp=2, expert_parallel=True), MoEMode.EP, SPS,
+                            (DATA, TENSOR), 8, (DATA, TENSOR), (DATA, TENSOR), True),
+    "ep_dp8": (ParallelConfig(dp=8, expert_parallel=True), MoEMode.EP, REPL, (DATA,), 8, (DATA,),
+               (DATA,), True),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_TABLE))
+def test_layout_properties(name):
+    (par, moe_mode, shared_mode, token_axes, row_shards, expert_axes, dispatch_axes,
+     overlaps) = LAYOUT_TABLE[name]
+    layout = make_layout(TINY, par)
+    assert layout.moe_mode is moe_mode
+    assert layout.shared_mlp.mode is shared_mode
+    assert layout.token_axes == token_axes
+    assert layout.row_shards == row_shards
+    assert layout.x_TD == P(token_axes, None)
+    assert layout.expert_axes == expert_axes
+    assert layout.dispatch_axes == dispatch_axes
+    assert layout.local_experts == (16 // par.num_devices if moe_mode is MoEMode.EP else 16)
+    assert layout.shared_overlaps_routed is overlaps
+
+    specs = layout.moe_param_specs()
+    assert set(specs) == {"router_DE", "router_bias_E", "lat_down_DL", "lat_norm_L", "lat_up_LD",
+                          "w1_ELF", "w3_ELF", "w2_EFL", "shared.gate_DF", "shared.up_DF",
+                          "shared.down_FD"}
+    for replicated in ("router_DE", "router_bias_E", "lat_down_DL", "lat_norm_L", "lat_up_LD"):
+        assert specs[replicated] == P()
+    w13, w2 = {MoEMode.LOCAL: (P(), P()),
+               MoEMode.TP: (P(None, None, TENSOR), P(None, TENSOR, None)),
+               MoEMode.EP: (P(expert_axes, None, None), P(expert_axes, None, None))}[moe_mode]
+    assert (specs["w1_ELF"], specs["w3_ELF"], specs["w2_EFL"]) == (w13, w13, w2)
+    assert specs["shared.gate_DF"] == layout.shared_mlp.gate_DF
+
+    text = layout.describe()
+    assert f"routed experts: {moe_mode.value}" in text
+    assert f"shared expert: {shared_mode.value}" in text
+    assert f"shared expert may overlap routed work: {overlaps}" in text
+
+
+def test_shared_overlaps_routed_is_a_typed_property():
+    """The overlap contract is declared on Layout (SPEC 4), not probed from an attribute."""
+    prop = Layout.__dict__["shared_overlaps_routed"]
+    assert isinstance(prop, property)
+    assert typing.get_type_hints(prop.fget)["return"] is bool
+    assert prop.__doc__ and "collective" in prop.__doc__
+    layout = make_layout(TINY, sp(8, True))
+    with pytest.raises(AttributeError):
+        layout.shared_overlaps_routed = False       # frozen, read-only: a contract, not a knob
+
+
+def test_layout_is_decided_once_and_frozen():
+    layout = make_layout(K3, sp(8, True))
+    with pytest.raises(AttributeError):
+        layout.moe_mode = MoEMode.LOCAL
+    assert make_layout(K3, sp(8, True)) == layout
