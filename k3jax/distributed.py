@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -177,7 +177,7 @@ def initialize(spec: ProcessSpec) -> None:
         jax.distributed.initialize(spec.coordinator, num_processes=spec.num_processes,
                                    process_id=spec.process_id, initialization_timeout=init_s,
                                    heartbeat_timeout_seconds=heartbeat_timeout_s())
-    except Exception as e:  # jaxlib raises its own error types
+    except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(f"process {spec.process_id} of {spec.num_processes} could not join "
                                f"the run at {spec.coordinator} (waited up to {init_s} s for all "
@@ -251,15 +251,17 @@ def explain_error(error: BaseException, spec: ProcessSpec) -> str:
     first = text.splitlines()[0]
     first = first[:200] + "..." if len(first) > 200 else first
     return (f"process {spec.process_id} of {spec.num_processes} stopped because a collective "
-            f"with its peers failed (a peer process died or the network failed): {first}")
+            f"with its peers failed (most likely a peer process died or the network failed): "
+            f"{first}")
 
 
 def replicated(x: np.ndarray, mesh):
     """The same host array on every device of ``mesh`` (every process passes
     its own, equal, copy)."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda index: x[index])
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, PartitionSpec()),
+                                        lambda index: x[index])
 
 
 def gather(array) -> np.ndarray:
@@ -290,7 +292,7 @@ def _child_main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         abandon(130)
-    except BaseException:  # a bug: report it, and do not hang the peers
+    except BaseException:  # noqa: BLE001 - a bug: report it, and do not hang the peers
         traceback.print_exc()
         abandon(1)
     sys.exit(code)
@@ -366,7 +368,7 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     cmd = [sys.executable, "-c", "from k3jax.distributed import _child_main; _child_main()",
            target, json.dumps(payload)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
     held: list[str] = []
     reported = []   # the worker printed its own error line
 
@@ -381,13 +383,13 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     def pump_err():
         for raw in iter(child.stderr.readline, b""):
             line = raw.decode(errors="replace")
-            if held or _starts_fatal_log(line):
+            if line.startswith(f"{prog}: error:"):   # the worker's own one-line error
+                reported.append(line)
+            elif held or _starts_fatal_log(line):
                 held.append(line)
-            else:
-                if line.startswith(f"{prog}: error:"):
-                    reported.append(line)
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
     pumps = [threading.Thread(target=f, daemon=True) for f in (pump_out, pump_err)]
     for t in pumps:
@@ -413,15 +415,15 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     log = "".join(held)
     where = f"process {spec.process_id} of {spec.num_processes}"
     if code in (134, -signal.SIGABRT):
-        fd, path = tempfile.mkstemp(prefix=f"k3jax-p{spec.process_id}-", suffix=".log")
-        with os.fdopen(fd, "w") as f:
-            f.write(log)
         if not reported:  # else the worker's own error line already says why
+            fd, path = tempfile.mkstemp(prefix=f"k3jax-p{spec.process_id}-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(log)
             print(f"{prog}: error: {where} stopped because {explain_abort(log, spec)} "
                   f"(XLA's report: {path})", file=sys.stderr, flush=True)
         return 1
-    if held:  # not XLA's abort after all: show what was held back
-        sys.stderr.write(log)
+    if held and not (reported and code):  # no abort after all: show what was held back
+        sys.stderr.write(log)                # (but not the runtime's noise after an error line)
         sys.stderr.flush()
     if code < 0:
         try:

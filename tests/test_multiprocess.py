@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 import pytest
+from reference_np import np_moe
 from safetensors.numpy import load_file
 
 from k3jax import distributed
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main as cli_main
 from k3jax.config import TINY
-from reference_np import np_moe
 
 LAYOUT = ["--devices", "8", "--tp", "8", "--sequence-parallel", "--expert-parallel",
           "--shard-shared-expert", "--backend", "xla"]
@@ -49,12 +49,10 @@ def base_env(**extra) -> dict[str, str]:
 
 def start(args, out_dir, name, env=None) -> subprocess.Popen:
     """``python -m k3jax run ARGS`` in its own process group, output to files."""
-    stdout = open(os.path.join(out_dir, f"{name}.out"), "w")
-    stderr = open(os.path.join(out_dir, f"{name}.err"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "k3jax", "run", *args], stdout=stdout,
-                            stderr=stderr, env=env or base_env(), start_new_session=True)
-    stdout.close()
-    stderr.close()
+    with open(os.path.join(out_dir, f"{name}.out"), "w") as stdout, \
+            open(os.path.join(out_dir, f"{name}.err"), "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "k3jax", "run", *args], stdout=stdout,
+                                stderr=stderr, env=env or base_env(), start_new_session=True)
     proc.name, proc.out_dir = name, out_dir
     return proc
 
@@ -179,7 +177,7 @@ def test_killed_peer_ends_the_survivor_with_a_clear_error(problem, tmp_path, pro
     # whose connection was reset: either way one line that says a peer was lost.
     reason = ((f"process {victim} has stopped responding" if victim
                else "it lost the coordinator at 127.0.0.1")
-              + "|a collective with its peers failed \\(a peer process died")
+              + "|a collective with its peers failed \\(most likely a peer process died")
     assert re.search(rf"k3jax run: error: process {me} of 2 stopped because (?:{reason})", err), err
     assert "Check failure stack trace" not in err and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]

@@ -27,11 +27,11 @@ from k3jax.modules.params import ParamDecl
 def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Array:
     """``jax.make_array_from_callback(shape, sharding, read)``, one block at a time.
 
-    Each distinct block among this process's devices is read once, copied to
-    the devices that hold it, and freed before the next is read: host memory
-    peaks near one block. (make_array_from_callback keeps every local block
-    of the parameter on the host until all are read, and reads a block once
-    per device when it is replicated over a mesh axis.)"""
+    Each distinct block among this process's devices is read once, put on
+    the devices that hold it, and dropped before the next is read: host memory
+    beyond the device buffers peaks near one block. (make_array_from_callback
+    keeps every local block of the parameter on the host until all are read,
+    and reads a block once per device when it is replicated over a mesh axis.)"""
     shape = tuple(shape)
     groups: dict[tuple, tuple[tuple[slice, ...], list[jax.Device]]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -40,11 +40,11 @@ def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Arr
     arrays = []
     for index, devices in groups.values():
         block = read(index)
-        placed = [jax.device_put(block, d, may_alias=False) for d in devices]
-        jax.block_until_ready(placed)   # copied before the block is dropped
+        placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
+        jax.block_until_ready(placed)   # copied to an accelerator before the block is dropped
         arrays += placed
         del block, placed
-        gc.collect()   # jax lets go of a copied host buffer in a gc hook (jax-ml/jax#14882)
+        gc.collect(0)   # jax drops its reference to a copied host block in a gc hook (jax#14882)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
@@ -137,8 +137,7 @@ class CheckpointSource:
                 out[j][rest] = self._read_2d(ref.name(self.prefix, e), stored[e], ref.transpose,
                                              src_ranges[1:])
             return out
-        values = self._read_logical(ref, stored, src_ranges)
-        out[tuple(keep)] = values.astype(out.dtype)
+        out[tuple(keep)] = self._read_logical(ref, stored, src_ranges)   # casts to out.dtype
         return out
 
     def _read_logical(self, ref: TensorRef, stored: dict, ranges: Sequence[range]) -> np.ndarray:

@@ -96,7 +96,8 @@ def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None)
     """Validate the flags before any JAX set-up; return the devices this process simulates."""
     num_devices = args.devices or ((args.dp or 1) * args.tp)
     parallel_from_args(args, args.devices)
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+    writes = spec is None or spec.is_leader   # only process 0 writes the output
+    if writes and args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise UsageError(f"--output directory does not exist: {os.path.dirname(args.output)}")
     if spec is None:
         return num_devices
@@ -157,7 +158,7 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
             reader, cfg, layer, x = _agree(args, spec, parallel, path)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
-                            backend=args.backend, mxfp4=args.mxfp4)
+                            backend=args.backend, mxfp4=args.mxfp4, progress=True)
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
