@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from k3jax.config import K3Config
+from k3jax.files import atomic_write
 from k3jax.layout import MlpMode, MoEMode, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, RandomSource, build_layer
 from k3jax.ops import SiTU
@@ -304,22 +305,6 @@ __all__ = ["run_bench", "scale_config", "default_experts", "crossover_tokens", "
 # --------------------------------------------------------------------------
 # Output files (written atomically: a failure leaves no half-written file)
 # --------------------------------------------------------------------------
-def atomic_write(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, then rename it."""
-    import os
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".k3jax-", suffix=os.path.splitext(path)[1], dir=directory)
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def plot_result(result: BenchResult, path: str) -> None:
     """PNG: latency vs global tokens (log x), replicated and sharded shared
     expert per benchmark panel, the crossover marked."""
@@ -353,4 +338,4 @@ def plot_result(result: BenchResult, path: str) -> None:
         plt.close(fig)
 
 
-__all__ += ["atomic_write", "plot_result"]
+__all__ += ["plot_result"]

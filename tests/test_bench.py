@@ -10,7 +10,8 @@ import os
 import pytest
 
 from k3jax import K3, TINY
-from k3jax.bench import atomic_write, crossover_tokens, default_experts, scale_config
+from k3jax.bench import crossover_tokens, default_experts, scale_config
+from k3jax.files import atomic_write
 from k3jax.cli import main as cli_main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -113,3 +114,14 @@ def test_bad_tokens_exit_2(capsys, tokens):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "--tokens", tokens])
     assert e.value.code == 2 and "--tokens" in capsys.readouterr().err
+
+
+def test_atomic_write_gives_usual_permissions(tmp_path):
+    """mkstemp's 0600 must not leak into outputs: 0666 less the umask."""
+    umask = os.umask(0o022)
+    try:
+        target = tmp_path / "y.bin"
+        atomic_write(str(target), lambda f: f.write(b"x"))
+    finally:
+        os.umask(umask)
+    assert (target.stat().st_mode & 0o777) == 0o644

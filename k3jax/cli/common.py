@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.files import atomic_write
 from k3jax.layout import ParallelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -95,14 +95,6 @@ def pick_devices(count: int) -> list[jax.Device]:
 
 
 def atomic_save_npy(path: str, array) -> None:
-    """Write ``array`` to ``path`` via a temporary file: a failure leaves no file."""
+    """Write ``array`` to ``path`` as .npy; a failure leaves no file."""
     import numpy as np
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".k3jax-", suffix=".npy", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: np.save(f, array))

@@ -27,11 +27,17 @@ logarithmic ladder of fixed-size TMA stores (as in jax's ragged_dot_mgpu.py),
 so items sharing an M-block never overwrite each other's rows and rows of x
 past sum(sizes) (possibly NaN) never reach a valid output row.
 
-Dtypes: bf16/f16 run natively. float32 inputs are cast to bfloat16 for the
-WGMMA (Hopper's tf32 WGMMA needs a K-major B operand, our weights are N-major)
-and accumulate in f32; the output keeps the input dtype. This costs one extra
-pass over the weights and bf16 input rounding; it exists for tests/debugging,
-production weights are bf16.
+Dtypes: bf16/f16 run natively (one WGMMA per weight per K step). float32
+inputs run a split-bf16 product ("bf16x3"): the launcher splits
+x = x_hi + x_lo and w = w_hi + w_lo (x_hi = bf16(x), x_lo = bf16(x - x_hi)),
+both planes of every operand stream through SMEM, and each K step issues three
+WGMMAs into the same f32 accumulator: x_lo @ w_hi + x_hi @ w_lo + x_hi @ w_hi
+(x_lo @ w_lo, ~2^-16 relative, is dropped). Relative error ~1e-6..1e-5 instead
+of bf16's ~3e-3 (Hopper's tf32 WGMMA would need a K-major B operand; our
+weights are N-major). So fp32 costs 3 MMAs per tile and twice the SMEM per
+stage (fewer stages, or a narrower N block where two stages do not fit);
+the output keeps the input dtype. It exists for exact tests and debugging:
+production weights are bf16 and take the 1-MMA path.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import interpret_compat
 from pallas_kernels.situ import situ_glu_f32
 
 # H100/H200 SXM have 132 SMs; used when the device does not report a count.
@@ -81,11 +88,15 @@ class TileConfig:
     def block_m(self) -> int:
         return self.wg_block_m * self.num_compute_wgs
 
-    def smem_bytes(self, num_weights: int, in_itemsize: int, out_itemsize: int) -> int:
-        """Shared memory the kernel allocates (pipeline stages + epilogue tiles)."""
+    def smem_bytes(self, num_weights: int, in_bytes: int, out_bytes: int) -> int:
+        """Shared memory the kernel allocates (pipeline stages + epilogue tiles).
+
+        in_bytes: SMEM bytes per input element over all its planes (2 for
+        bf16/f16, 4 for float32 = hi + lo bf16 planes); out_bytes: output itemsize.
+        """
         stage = (self.block_m * self.block_k
-                 + num_weights * self.block_k * self.block_n) * in_itemsize
-        return self.max_concurrent_steps * stage + self.block_m * self.block_n * out_itemsize
+                 + num_weights * self.block_k * self.block_n) * in_bytes
+        return self.max_concurrent_steps * stage + self.block_m * self.block_n * out_bytes
 
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
@@ -193,35 +204,47 @@ def _store_rows(o_smem, o_gmem, *, row0, offset, count, col0, block_n: int, max_
         rows //= 2
 
 
-def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, num_k_steps: int):
-    """Warp-specialized K pipeline over one tile: x [block_m, K] and num_w
-    weights [K, block_n] stream through SMEM (TMA, producer warpgroup)."""
+def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, planes: int,
+              num_k_steps: int):
+    """Warp-specialized K pipeline over one tile: ``planes`` x [block_m, K] planes
+    and num_w x ``planes`` weight planes [K, block_n] stream through SMEM (TMA,
+    producer warpgroup). Operand order: x planes, then each weight's planes."""
     # delay_release stays 0: with 1, the last step of a tile never arrives on
     # its "consumed" barrier, so the producer could refill that slot for the
     # next tile of this persistent loop while its WGMMA still reads it.
     x_spec = plgpu.BlockSpec((cfg.block_m, cfg.block_k), lambda k: (0, k))
     w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_n), lambda k: (k, 0))
     return plgpu.emit_pipeline_warp_specialized(
-        step_fn, grid=(num_k_steps,), memory_registers=40, in_specs=[x_spec] + [w_spec] * num_w,
+        step_fn, grid=(num_k_steps,), memory_registers=40,
+        in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
 
 
-def _make_body(*, epilogue: Callable, num_w: int, cfg: TileConfig, num_rows: int,
+# (x plane, w plane) products per K step and weight. One plane: the native
+# product. Two planes (hi, lo) of float32 operands: bf16x3, small terms first.
+_PRODUCTS = {1: ((0, 0),), 2: ((1, 0), (0, 1), (0, 0))}
+
+
+def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, num_rows: int,
                num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, x_MK, *w_GKN, o_MN) for num_w weight operands.
+    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, o_MN) for num_w weights
+    of ``planes`` planes each (1: bf16/f16; 2: hi/lo bf16 split of float32).
 
     Every warpgroup walks the same (work item, N-block) sequence, so the
     producer and the consumers always agree on which tiles run a pipeline.
     """
     wg_m = cfg.wg_block_m
-    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, num_k_steps=num_k_steps)
+    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes,
+                                     num_k_steps=num_k_steps)
+    products = _PRODUCTS[planes]
 
-    def body(meta_gmem, x_gmem, *refs):
-        w_gmems, o_gmem = refs[:num_w], refs[num_w]
+    def body(meta_gmem, *refs):
+        x_gmems, w_gmems, o_gmem = refs[:planes], refs[planes:-1], refs[-1]
         num_items = meta_gmem.shape[1]
         ignore = lambda *_, **__: None
-        allocs = pipeline_for(ignore, ignore).get_allocations(x_gmem, *[w.at[0] for w in w_gmems])
+        allocs = pipeline_for(ignore, ignore).get_allocations(*x_gmems,
+                                                              *[w.at[0] for w in w_gmems])
 
         @functools.partial(pl.run_scoped, allocs=allocs,
                            o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
@@ -249,10 +272,13 @@ def _make_body(*, epilogue: Callable, num_w: int, cfg: TileConfig, num_rows: int
                                 offset=lo, count=hi - lo, col0=n_block * cfg.block_n,
                                 block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
 
-                def mma(_, x_smem, *rest):
-                    w_smems, accs = rest[:num_w], rest[num_w]
-                    for acc, w_smem in zip(accs, w_smems):
-                        plgpu.wgmma(acc, x_smem.at[pl.ds(wg * wg_m, wg_m)], w_smem)
+                def mma(_, *rest):
+                    smems, accs = rest[:-1], rest[-1]
+                    x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
+                    for i, acc in enumerate(accs):
+                        w_smems = smems[planes + i * planes:planes + (i + 1) * planes]
+                        for xp, wp in products:
+                            plgpu.wgmma(acc, x_smems[xp], w_smems[wp])
                     # The slot is released when this step returns (delay_release=0),
                     # so its WGMMAs must be done reading it; the other consumer
                     # warpgroup's WGMMAs keep the tensor cores busy meanwhile.
@@ -269,9 +295,10 @@ def _make_body(*, epilogue: Callable, num_w: int, cfg: TileConfig, num_rows: int
 
                 @pl.when((count > 0) & (group >= 0))
                 def _matmul():
+                    rows = pl.ds(m_block * cfg.block_m, cfg.block_m)
                     cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
                     pipeline_for(mma, compute_context)(
-                        x_gmem.at[pl.ds(m_block * cfg.block_m, cfg.block_m), :],
+                        *[x.at[rows, :] for x in x_gmems],
                         *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
                         allocations=allocs)
 
@@ -284,19 +311,30 @@ def _make_body(*, epilogue: Callable, num_w: int, cfg: TileConfig, num_rows: int
     return body
 
 
-def fit_stages(cfg: TileConfig, num_weights: int, in_itemsize: int, out_itemsize: int) -> TileConfig:
-    """Drop pipeline stages (to >= 2) until the kernel fits the SMEM limit."""
-    while (cfg.max_concurrent_steps > 2 and cfg.smem_bytes(num_weights, in_itemsize, out_itemsize)
-           > SMEM_LIMIT - _SMEM_RESERVE):
-        cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
-    return cfg
+def fit_smem(cfg: TileConfig, num_weights: int, in_bytes: int, out_bytes: int,
+             min_block_n: int = _MIN_BLOCK) -> TileConfig:
+    """Shrink cfg until the kernel fits the SMEM limit: drop pipeline stages
+    (to >= 2); if two stages still do not fit (float32 = two bf16 planes with
+    the prefill tiles), halve block_n (>= min_block_n) and start over."""
+    limit = SMEM_LIMIT - _SMEM_RESERVE
+    stages = cfg.max_concurrent_steps
+    while True:
+        fitted = cfg
+        while (fitted.max_concurrent_steps > 2
+               and fitted.smem_bytes(num_weights, in_bytes, out_bytes) > limit):
+            fitted = dataclasses.replace(fitted, max_concurrent_steps=fitted.max_concurrent_steps - 1)
+        if (fitted.smem_bytes(num_weights, in_bytes, out_bytes) <= limit
+                or cfg.block_n // 2 < min_block_n):
+            return fitted  # a config that still does not fit fails in Mosaic's SMEM check
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, max_concurrent_steps=stages)
 
 
 def _interpret_params(interpret) -> plgpu.InterpretGPUParams | None:
     """None (compile for the GPU), or the GPU interpret-mode parameters to use."""
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if interpret else None
+    if not interpret:
+        return None
+    interpret_compat.install()
+    return interpret if isinstance(interpret, plgpu.InterpretGPUParams) else plgpu.InterpretGPUParams()
 
 
 def _num_sms(interpret) -> int:
@@ -306,10 +344,35 @@ def _num_sms(interpret) -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_NUM_SMS)
 
 
-def _compute_dtype(dtype) -> jnp.dtype:
-    """WGMMA input dtype: bf16/f16 as is, anything else (f32) as bf16."""
+def num_planes(dtype) -> int:
+    """bf16 planes per input element: 1 for bf16/f16 (native WGMMA), 2 for
+    float32 (bf16x3 split); other dtypes raise ValueError."""
     dtype = jnp.dtype(dtype)
-    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.bfloat16)
+    if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return 1
+    if dtype == jnp.dtype(jnp.float32):
+        return 2
+    raise ValueError(f"Mosaic GPU kernels take bfloat16, float16 or float32 inputs, got {dtype}")
+
+
+def split_bf16(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 a -> (hi, lo) bf16 with hi = bf16(a), lo = bf16(a - hi).
+
+    hi + lo carries ~16 of float32's 24 significand bits. Non-finite entries
+    (and values that round to +-inf in bf16) get lo = 0, so inf stays inf.
+    """
+    a = a.astype(jnp.float32)
+    hi = a.astype(jnp.bfloat16)
+    hi_f32 = hi.astype(jnp.float32)
+    lo = jnp.where(jnp.isfinite(hi_f32), a - hi_f32, 0.0).astype(jnp.bfloat16)
+    return hi, lo
+
+
+def _to_planes(a: jax.Array, compute_dtype, planes: int) -> list[jax.Array]:
+    """The operand's SMEM planes: [a in compute_dtype], or [hi, lo] bf16."""
+    if planes == 1:
+        return [a.astype(compute_dtype)]
+    return list(split_bf16(a))
 
 
 def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
@@ -317,24 +380,28 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
     m, k = x_MK.shape
     num_groups, _, n = w_GKNs[0].shape
     out_dtype = x_MK.dtype
-    in_dtype = _compute_dtype(x_MK.dtype)
+    in_dtype = jnp.result_type(x_MK, *w_GKNs)
+    planes = num_planes(in_dtype)
+    out_bytes = jnp.dtype(out_dtype).itemsize
     cfg = cfg or default_config(m, num_groups, len(w_GKNs))
     # block_k >= 16: the bf16 WGMMA K step. block_n: output tile rows of >= 128
     # bytes keep every row-offset TMA store from SMEM 128-byte aligned.
     block_k = _fit_block(k, cfg.block_k, _MIN_BLOCK) or cfg.block_k
-    min_n = max(_MIN_BLOCK, 128 // jnp.dtype(out_dtype).itemsize)
+    min_n = max(_MIN_BLOCK, 128 // out_bytes)
     block_n = _fit_block(n, cfg.block_n, min_n) or cfg.block_n
     cfg = dataclasses.replace(cfg, block_k=block_k, block_n=block_n)
-    cfg = fit_stages(cfg, len(w_GKNs), in_dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+    cfg = fit_smem(cfg, len(w_GKNs), 2 * planes, out_bytes, min_n)
+    block_n = cfg.block_n
     k_pad, n_pad, m_pad = _round_up(k, block_k), _round_up(n, block_n), _round_up(m, cfg.block_m)
 
     # x rows are padded so every M-block read is in bounds; K/N are padded only
     # when no allowed power-of-two block divides them (never for K3 shapes).
-    x_MK = _pad_axis(_pad_axis(x_MK.astype(in_dtype), 0, m_pad), 1, k_pad)
-    w_GKNs = [_pad_axis(_pad_axis(w.astype(in_dtype), 1, k_pad), 2, n_pad) for w in w_GKNs]
+    x_planes = _to_planes(_pad_axis(_pad_axis(x_MK, 0, m_pad), 1, k_pad), in_dtype, planes)
+    w_planes = [p for w in w_GKNs
+                for p in _to_planes(_pad_axis(_pad_axis(w, 1, k_pad), 2, n_pad), in_dtype, planes)]
     meta_4W = work_items_4W(group_sizes_G, m, cfg.block_m)
 
-    body = _make_body(epilogue=epilogue, num_w=len(w_GKNs), cfg=cfg, num_rows=m,
+    body = _make_body(epilogue=epilogue, num_w=len(w_GKNs), planes=planes, cfg=cfg, num_rows=m,
                       num_k_steps=k_pad // block_k, num_n_blocks=n_pad // block_n,
                       out_dtype=out_dtype)
     kernel = plgpu.kernel(
@@ -348,7 +415,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )
-    y_MN = kernel(meta_4W, x_MK, *w_GKNs)
+    y_MN = kernel(meta_4W, *x_planes, *w_planes)
     return y_MN if n_pad == n else y_MN[:, :n]
 
 

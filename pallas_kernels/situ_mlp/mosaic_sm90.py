@@ -5,7 +5,8 @@ schedule table is then a compile-time constant (cdiv(T, block_m) full-width
 items), so this reuses the grouped kernel's pipeline, two-accumulator WGMMA
 and in-register SiTU epilogue (pallas_kernels/grouped_matmul/mosaic_sm90.py)
 instead of duplicating them. Adding the G axis to the weights is a free
-reshape. Dtype policy (f32 inputs run the WGMMA in bf16) is the grouped one.
+reshape. Dtype policy is the grouped one: bf16/f16 natively, float32 as a
+split-bf16 (bf16x3) product, three WGMMAs per tile, ~1e-5 relative error.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""The research notebooks (notebooks/*.ipynb): stored without outputs, shaped
+as a short paper, and executed top to bottom on the CPU without error.
+
+Each notebook asserts its own claims (SPEC 6's figures, layouts agreeing,
+errors within tolerance) and prints a JSON summary in its last code cell;
+the tests below read that summary back and check the key figures again, so a
+notebook that stopped computing them fails here too.
+
+Run as a script to execute the notebooks and keep the executed copies (with
+outputs and figures) for reading:
+
+    .venv/bin/python tests/test_notebooks.py --output-dir /tmp/notebooks [NAME ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = {
+    "01_shared_expert_sequence_parallel.ipynb",
+    "02_moe_padding_and_ep.ipynb",
+    "03_torch_crosscheck.ipynb",
+}
+CELL_TIMEOUT_S = 300
+GiB = 2**30
+
+
+def read(name: str) -> nbformat.NotebookNode:
+    return nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+
+
+def execute(name: str, workdir: str | os.PathLike) -> nbformat.NotebookNode:
+    """Run notebook ``name`` top to bottom in a fresh python3 kernel (this
+    interpreter's ipykernel) with ``workdir`` as its working directory.
+    Raises nbclient's CellExecutionError on the first failing cell."""
+    nb = read(name)
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(workdir)}})
+    client.execute()
+    return nb
+
+
+def summary(nb: nbformat.NotebookNode) -> dict:
+    """The JSON object the last code cell printed."""
+    last = [c for c in nb.cells if c.cell_type == "code"][-1]
+    text = "".join(o.get("text", "") for o in last.outputs if o.output_type == "stream" and o.name == "stdout")
+    return json.loads(text)
+
+
+# -- stored form ---------------------------------------------------------------
+def test_the_three_notebooks_exist():
+    assert {p.name for p in NOTEBOOK_DIR.glob("*.ipynb")} == NOTEBOOKS
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_stored_without_outputs(name):
+    """Committed notebooks carry no outputs and no execution counts."""
+    nb = read(name)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name}: cell {i} has stored outputs"
+            assert cell.execution_count is None, f"{name}: cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_reads_as_a_short_paper(name):
+    """Question first, then Method and an Answer; the first code cell sets up
+    the simulated CPU devices before importing k3jax."""
+    nb = read(name)
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    assert "**Question.**" in nb.cells[0].source
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "**Method.**" in markdown and "## Answer" in markdown
+    assert markdown.index("**Question.**") < markdown.index("**Method.**") < markdown.index("## Answer")
+    first_code = next(c.source for c in nb.cells if c.cell_type == "code")
+    assert 'jax.config.update("jax_num_cpu_devices", 8)' in first_code
+    assert first_code.index("jax_num_cpu_devices") < first_code.index("k3jax")
+    assert "JAX_PLATFORMS" not in first_code      # would hide the GPUs: the notebooks must run there unchanged
+    assert "pick_devices(" in first_code
+
+
+# -- execution -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """{name: executed notebook}, each run once per session, on demand."""
+    cache: dict[str, nbformat.NotebookNode] = {}
+
+    def get(name: str) -> nbformat.NotebookNode:
+        if name not in cache:
+            cache[name] = execute(name, tmp_path_factory.mktemp(name.removesuffix(".ipynb")))
+        return cache[name]
+    return get
+
+
+def test_01_shared_expert_sequence_parallel(executed):
+    s = summary(executed("01_shared_expert_sequence_parallel.ipynb"))
+    assert s["shared_replicated_gib"] == 22.640625
+    assert s["shared_sharded_tp4_gib"] == 22.640625 / 4
+    assert s["shared_saved_tp4_gib"] == 16.98046875
+    for row in s["memory"]:
+        assert row["shared_sharded"] * row["tp"] == row["shared_replicated"]
+        assert row["total_ep_sharded"] < row["total_ep_replicated"]
+    assert s["hlo_collectives"] == {"replicated": {}, "sharded": {"all-gather": 1, "reduce-scatter": 1}}
+    assert s["added_bytes_per_token"] > 0
+    assert s["tokens"] == [8, 32, 128, 256, 512, 1024, 2048]
+    assert len(s["measured_ratio"]) == 7 and all(math.isfinite(r) and r > 0 for r in s["measured_ratio"])
+    assert s["measured_crossover"] is None or s["measured_crossover"] in s["tokens"]
+    assert s["model_crossover"] is not None and 8 < s["model_crossover"] < 2048
+    assert 0 <= s["max_rel_diff"] < 1e-4
+
+
+def test_02_moe_padding_and_ep(executed):
+    s = summary(executed("02_moe_padding_and_ep.ipynb"))
+    gb = s["routed_gb"]
+    assert gb["tp"]["8"] == "180.81" and gb["tp"]["16"] == gb["tp"]["32"] == "120.54"
+    assert gb["ep"]["16"] == "90.40" and gb["ep"]["32"] == "45.20"
+    assert gb["ep_pad_under_ep"]["16"] == gb["ep_pad_under_ep"]["32"] == "120.54"
+    assert s["floor_bytes"] == 896 * 3 * 256 * 3584 * 92 * 0.53125
+    assert s["cli_routed_bytes"] == s["floor_bytes"]
+    checks = s["numerics"]
+    assert {c["layout"] for c in checks} >= {"ep_dp8", "ep_dp8_pad_under_ep", "tp8"}
+    padded = [c for c in checks if c["padded_intermediate"] > c["intermediate"]]
+    assert padded, "no layout exercised the padding"
+    for c in checks:
+        assert c["zero_padding"] and c["err_vs_unpadded"] < 1e-5 and c["err_vs_torch_f64"] < 1e-5, c
+
+
+def test_03_torch_crosscheck(executed):
+    s = summary(executed("03_torch_crosscheck.ipynb"))
+    rows = s["rows"]
+    layouts = {r["layout"] for r in rows}
+    assert len(layouts) >= 11
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "mxfp4"}
+    tolerance = s["tolerance"]
+    assert tolerance["float32"] <= 1e-5 and tolerance["bfloat16"] <= 2e-2
+    for r in rows:
+        assert math.isfinite(r["rel_err"]) and r["rel_err"] < tolerance[r["dtype"]], r
+    for layout in layouts:      # every layout, in every dtype, for the MoE layer
+        assert {r["dtype"] for r in rows if r["layout"] == layout and r["layer"] == 1} == set(tolerance)
+
+
+# -- as a script: execute and keep the outputs -----------------------------------
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Execute the notebooks on this machine and save executed copies.")
+    p.add_argument("names", nargs="*", help="notebook file names (default: all)")
+    p.add_argument("--output-dir", required=True, help="where the executed notebooks are written")
+    args = p.parse_args(argv)
+    out = pathlib.Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or sorted(NOTEBOOKS):
+        name = pathlib.Path(name).name
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as workdir:
+            nb = execute(name, workdir)
+        nbformat.write(nb, out / name)
+        print(f"{name}: {time.perf_counter() - t0:.0f} s -> {out / name}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
