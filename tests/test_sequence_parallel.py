@@ -126,7 +126,7 @@ def test_sp_rows_are_independent_of_padding(eight_devices):
 
 
 @pytest.mark.parametrize("name", ["sp_tp8_shard", "sp_ep_dp2_tp4_shard", "dp2_tp4"])
-def test_module_routes_its_padding_rows_to_no_expert(eight_devices, monkeypatch, name):
+def test_module_routes_its_padding_rows_to_no_expert(eight_devices, monkeypatch, request, name):
     """Inside the layer (T = 5 padded to the row blocks) the router sees the
     padding mask: every padding row gets id == num_experts and weight 0."""
     seen = []
@@ -141,6 +141,8 @@ def test_module_routes_its_padding_rows_to_no_expert(eight_devices, monkeypatch,
         return ids, w
 
     monkeypatch.setattr(moe_module, "route", spy)
+    moe_module.moe_forward.cache_clear()            # forwards are cached: retrace with the spy
+    request.addfinalizer(moe_module.moe_forward.cache_clear)
     moe = module(TINY, name, MOE_LAYER)[0]
     graph, state = nnx.split(moe)
     y = jax.jit(lambda s, x: nnx.merge(graph, s)(x))(state, normal(13, (5, TINY.hidden_size)))

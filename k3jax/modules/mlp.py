@@ -9,6 +9,9 @@ One ``*_local`` function per layout runs inside ``jax.shard_map``.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -90,18 +93,30 @@ class KimiMLP(nnx.Module):
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         if x_TD.ndim != 2 or x_TD.shape[1] != self.layout.hidden:
             raise ValueError(f"KimiMLP: x must be [T, {self.layout.hidden}], got {list(x_TD.shape)}")
-        T = x_TD.shape[0]
-        row_shards = 1
-        for axis in self.token_axes:
-            row_shards *= self.mesh.shape[axis]
-        x_pad, _ = pad_rows(x_TD.astype(self.dtype), row_shards)
-        x_spec = P(self.token_axes, None)
-        x_pad = jax.lax.with_sharding_constraint(x_pad, NamedSharding(self.mesh, x_spec))
-        body = MLP_LOCAL[self.layout.mode]
-        y = jax.shard_map(lambda x, w: body(x, w, self.act, self.backend), mesh=self.mesh,
-                          in_specs=(x_spec, self.layout.param_specs), out_specs=x_spec)(
-                              x_pad, self.weights())
-        return y[:T]
+        forward = mlp_forward(self.layout, self.act, self.mesh, self.token_axes, self.dtype,
+                              self.backend)
+        return forward(x_TD, self.weights())
+
+
+@functools.lru_cache(maxsize=64)
+def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, token_axes: tuple[str, ...], dtype,
+                backend: Backend):
+    """The jitted global forward (x_TD, weights) -> y_TD of one MLP layout:
+    pad rows, place them over ``token_axes``, run the layout's body in
+    shard_map, drop the padding. Cached, so eager calls compile once."""
+    row_shards = math.prod(mesh.shape[axis] for axis in token_axes)
+    x_spec = P(token_axes, None)
+    body = MLP_LOCAL[layout.mode]
+    sharded = jax.shard_map(lambda x, w: body(x, w, act, backend), mesh=mesh,
+                            in_specs=(x_spec, layout.param_specs), out_specs=x_spec)
+
+    @jax.jit
+    def forward(x_TD, weights):
+        x_pad, _ = pad_rows(x_TD.astype(dtype), row_shards)
+        x_pad = jax.lax.with_sharding_constraint(x_pad, NamedSharding(mesh, x_spec))
+        return sharded(x_pad, weights)[:x_TD.shape[0]]
+
+    return forward
 
 
 __all__ = ["KimiMLP", "mlp_decls", "MLP_LOCAL", "mlp_tp_partial", "MlpWeights"]

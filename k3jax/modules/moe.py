@@ -193,21 +193,35 @@ class KimiMoE(nnx.Module):
         return {**{d.name: getattr(self, d.name)[...] for d in self._decls},
                 "shared": self.shared.weights()}
 
-    def weight_specs(self) -> dict:
-        return {**{d.name: d.spec for d in self._decls}, "shared": self.layout.shared_mlp.param_specs}
-
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         D = self.cfg.hidden_size
         if x_TD.ndim != 2 or x_TD.shape[1] != D:
             raise ValueError(f"KimiMoE: x must be [T, {D}], got {list(x_TD.shape)}")
-        T = x_TD.shape[0]
-        x_pad, valid = pad_rows(x_TD.astype(self.dtype), self.layout.row_shards)
-        x_spec = self.layout.x_TD
-        row_spec = jax.sharding.PartitionSpec(self.layout.token_axes)
-        x_pad = jax.lax.with_sharding_constraint(x_pad, NamedSharding(self.mesh, x_spec))
-        body = moe_tp_local if (self.layout.moe_mode is MoEMode.TP
-                                and not self.layout.dispatch_axes) else moe_rows_local
-        fn = functools.partial(body, layout=self.layout, act=self.act, backend=self.backend)
-        y = jax.shard_map(fn, mesh=self.mesh, in_specs=(x_spec, row_spec, self.weight_specs()),
-                          out_specs=x_spec)(x_pad, valid, self.weights())
-        return y[:T]
+        forward = moe_forward(self.layout, self.mesh, self.act, self.dtype, self.backend,
+                              self.experts)
+        return forward(x_TD, self.weights())
+
+
+@functools.lru_cache(maxsize=64)
+def moe_forward(layout: Layout, mesh: Mesh, act: SiTU, dtype, backend: Backend,
+                experts: ExpertStorage):
+    """The jitted global forward (x_TD, weights) -> y_TD of one MoE layout:
+    pad rows (padding rows are routed to no expert), place them over the token
+    axes, run the layout's body in shard_map, drop the padding. Cached, so
+    eager calls compile once per shape."""
+    x_spec = layout.x_TD
+    row_spec = jax.sharding.PartitionSpec(layout.token_axes)
+    weight_specs = {**{d.name: d.spec for d in moe_decls(layout, dtype, experts)},
+                    "shared": layout.shared_mlp.param_specs}
+    body = moe_tp_local if (layout.moe_mode is MoEMode.TP and not layout.dispatch_axes) \
+        else moe_rows_local
+    sharded = jax.shard_map(functools.partial(body, layout=layout, act=act, backend=backend),
+                            mesh=mesh, in_specs=(x_spec, row_spec, weight_specs), out_specs=x_spec)
+
+    @jax.jit
+    def forward(x_TD, weights):
+        x_pad, valid = pad_rows(x_TD.astype(dtype), layout.row_shards)
+        x_pad = jax.lax.with_sharding_constraint(x_pad, NamedSharding(mesh, x_spec))
+        return sharded(x_pad, valid, weights)[:x_TD.shape[0]]
+
+    return forward

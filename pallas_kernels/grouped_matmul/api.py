@@ -3,6 +3,8 @@
 "xla" -> reference.py (jax.lax.ragged_dot), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
 "auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
+The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
+product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 """
 
 from __future__ import annotations

@@ -20,10 +20,19 @@ if _REPO_ROOT not in sys.path:  # pallas_kernels importable however pytest is la
 
 BETA, LINEAR_BETA = 4.0, 25.0  # K3's activation_situ_beta / activation_situ_linear_beta
 
-# Tolerances on rel_err. f32: the XLA path computes in f32. bf16: the kernel's
-# inputs and output are bf16 (the Mosaic path also runs f32 inputs as bf16).
+# Tolerances on rel_err. TOL_F32: float32 XLA vs float64 numpy (measured
+# <= 5e-7). TOL_F32_KERNEL: the Mosaic kernels on float32 inputs, a split-bf16
+# (bf16x3) product accumulated in f32 (measured 4e-6..7e-6 in interpret mode;
+# the old single-bf16 cast measured 2e-3..5e-3 and must fail it). TOL_BF16:
+# bf16 inputs and output.
 TOL_F32 = 1e-5
+TOL_F32_KERNEL = 5e-5
 TOL_BF16 = 1e-2
+
+
+def kernel_tol(dtype) -> float:
+    """Tolerance of a Mosaic kernel output vs the float32 reference, by input dtype."""
+    return TOL_F32_KERNEL if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else TOL_BF16
 
 
 def rel_err(out, ref) -> float:

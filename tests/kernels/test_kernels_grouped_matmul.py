@@ -42,7 +42,8 @@ PLAIN_CASES = [
 FUSED_CASES = [
     (100, 112, 96, 4, "zeros_skewed", BF16, False),  # K = 7 x 16: block_k falls to 16
     (100, 112, 96, 4, "sum_lt_m", BF16, True),
-]  # f32 inputs of the fused path: test_kernels_situ_mlp.py; prefill tiles: the race test
+    (100, 112, 96, 4, "sum_lt_m", F32, True),  # bf16x3 split, NaN tail rows
+]  # prefill tiles: the race test
 
 
 # Module-level jits so cases with equal shapes hit the compilation cache.
@@ -65,15 +66,15 @@ def _inputs(case, num_weights):
     return x, ws, sizes
 
 
-# Tolerance is bf16 for every Mosaic case: bf16 inputs, and f32 inputs run the
-# WGMMA in bf16 by design (see mosaic_sm90.py).
+# Tolerance by input dtype (kc.kernel_tol): bf16 inputs get bf16's, float32
+# inputs run the split-bf16 (bf16x3) product and must be float32-accurate.
 @pytest.mark.parametrize("case", PLAIN_CASES, ids=_case_id)
 def test_grouped_matmul_interpret_matches_reference(case):
     x, (w,), sizes = _inputs(case, 1)
     out = _plain_interpret(x, w, jnp.asarray(sizes))
     ref = reference.grouped_matmul(kc.f32(x), kc.f32(w), jnp.asarray(sizes))
     assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[2])
-    kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, _case_id(case))
+    kc.assert_grouped_output(out, ref, sizes, kc.kernel_tol(x.dtype), _case_id(case))
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=_case_id)
@@ -82,7 +83,7 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
     out = _fused_interpret(x, wg, wu, jnp.asarray(sizes))
     ref = reference.grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), jnp.asarray(sizes), **SITU)
     assert out.dtype == x.dtype and out.shape == (x.shape[0], wg.shape[2])
-    kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, _case_id(case))
+    kc.assert_grouped_output(out, ref, sizes, kc.kernel_tol(x.dtype), _case_id(case))
 
 
 def test_interpret_race_detector_finds_no_races():
@@ -102,16 +103,47 @@ def test_interpret_race_detector_finds_no_races():
     kc.assert_grouped_output(out, ref, sizes, kc.TOL_BF16, "race-detector run")
 
 
-def test_interpret_inside_shard_map_with_traced_group_sizes():
-    """Kernel is a plain jittable function: shard_map over experts, traced sizes."""
-    x, (w,), sizes = _inputs((64, 32, 32, 2, "sum_lt_m", BF16, True), 1)
-    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:1])
+def test_interpret_inside_shard_map_on_eight_devices(eight_devices):
+    """EP-style use: shard_map over 8 devices, each with its own rows, experts and
+    traced group sizes (one device's all empty), float32 (bf16x3) inputs. The
+    8 simulated devices interpret their kernels concurrently in one shared
+    memory (pallas_kernels/interpret_compat.py keeps them apart)."""
+    devices, m, k, n, g = 8, 24, 32, 32, 2
+    x, (w,) = kc.grouped_inputs(11, devices * m, k, n, devices * g, F32, 1)
+    sizes = np.concatenate([kc.group_pattern(p, m, g) for p in
+                            ["uniform", "sum_lt_m", "all_empty", "one_group_all"] * 2])
+    x = jnp.concatenate([kc.poison_tail(x[d * m:(d + 1) * m], sizes[d * g:(d + 1) * g])
+                         for d in range(devices)])
+    mesh = jax.sharding.Mesh(np.array(eight_devices), ("ep",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
     fn = jax.jit(jax.shard_map(lambda a, b, s: grouped_matmul(a, b, s, backend="interpret"),
-                               mesh=mesh, in_specs=(P(), P("ep"), P("ep")), out_specs=P()))
-    out = fn(x, w, jnp.asarray(sizes))
-    kc.assert_grouped_output(out, kc.np_grouped_matmul(kc.f32(x), kc.f32(w), sizes), sizes,
-                             kc.TOL_BF16, "shard_map")
+                               mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep")),
+                               out_specs=P("ep")))
+    out = np.asarray(fn(x, w, jnp.asarray(sizes)))
+    for d in range(devices):
+        rows, groups = slice(d * m, (d + 1) * m), slice(d * g, (d + 1) * g)
+        ref = kc.np_grouped_matmul(x[rows], w[groups], sizes[groups])
+        kc.assert_grouped_output(out[rows], ref, sizes[groups], kc.TOL_F32_KERNEL, f"device {d}")
+
+
+def test_split_bf16_planes():
+    """hi + lo carries ~16 significand bits; hi is the bf16 rounding; inf stays inf."""
+    x = kc.normal(jax.random.key(5), (4096,), F32, scale=3.0)
+    hi, lo = mosaic_sm90.split_bf16(x)
+    assert hi.dtype == lo.dtype == BF16
+    np.testing.assert_array_equal(hi, x.astype(BF16))
+    x64 = np.asarray(x, np.float64)
+    resid = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - x64)
+    assert np.all(resid <= 2.0 ** -16 * np.abs(x64)), float(np.max(resid / np.abs(x64)))
+    assert np.max(resid / np.abs(x64)) < 2.0 ** -8 / 4  # far better than bf16 alone
+    special = jnp.array([jnp.inf, -jnp.inf, 0.0, 1e-40, 3.4e38], F32)
+    hi_s, lo_s = mosaic_sm90.split_bf16(special)
+    assert list(np.isposinf(np.asarray(hi_s, np.float32))) == [True, False, False, False, True]
+    assert np.all(np.isfinite(np.asarray(lo_s, np.float32)))
+    assert mosaic_sm90.num_planes(BF16) == mosaic_sm90.num_planes(jnp.float16) == 1
+    assert mosaic_sm90.num_planes(F32) == 2
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        mosaic_sm90.num_planes(jnp.int8)
 
 
 @pytest.mark.parametrize("pattern", ["zeros_skewed", "sum_lt_m", "uniform", "one_group_all"])
@@ -151,18 +183,20 @@ def test_work_items_cover_every_row_exactly_once(block_m):
 
 
 # K3 local experts at EP 8 / 32 (112 / 28): decode tiles (M / G < 128) at EP 8,
-# prefill tiles (2 consumer warpgroups) at EP 32.
+# prefill tiles (2 consumer warpgroups) at EP 32; float32 inputs stage two bf16
+# planes per element (twice the SMEM per stage: fewer stages or narrower N).
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("num_groups,m", [(112, 300), (28, 4096)])
-def test_lowers_for_sm90_at_k3_shapes(num_groups, m):
+def test_lowers_for_sm90_at_k3_shapes(num_groups, m, dtype):
     """Mosaic GPU lowering + layout inference + the 227 KiB SMEM budget (no GPU needed)."""
     S = jax.ShapeDtypeStruct
     sizes = S((num_groups,), jnp.int32)
     fused = kc.lower_for_sm90(
         lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="pallas", **SITU),
-        S((m, 3584), BF16), S((num_groups, 3584, 3072), BF16),
-        S((num_groups, 3584, 3072), BF16), sizes)
+        S((m, 3584), dtype), S((num_groups, 3584, 3072), dtype),
+        S((num_groups, 3584, 3072), dtype), sizes)
     plain = kc.lower_for_sm90(lambda x, w, s: grouped_matmul(x, w, s, backend="pallas"),
-                              S((m, 3072), BF16), S((num_groups, 3072, 3584), BF16), sizes)
+                              S((m, 3072), dtype), S((num_groups, 3072, 3584), dtype), sizes)
     assert "mosaic_gpu" in fused and "mosaic_gpu" in plain
 
 
@@ -171,21 +205,30 @@ def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
     for cfg, num_w in [(mosaic_sm90.FUSED_DECODE, 2), (mosaic_sm90.FUSED_PREFILL, 2),
                        (mosaic_sm90.PLAIN_DECODE, 1), (mosaic_sm90.PLAIN_PREFILL, 1)]:
         assert cfg.smem_bytes(num_w, 2, 2) <= limit, cfg
-        # f32 outputs (f32 inputs) shrink the pipeline instead of overflowing SMEM
-        assert mosaic_sm90.fit_stages(cfg, num_w, 2, 4).smem_bytes(num_w, 2, 4) <= limit, cfg
+        assert mosaic_sm90.fit_smem(cfg, num_w, 2, 2) == cfg  # bf16 tiles are used as is
+        # float32: two bf16 planes (4 B/element) and f32 output tiles still fit
+        fitted = mosaic_sm90.fit_smem(cfg, num_w, 4, 4, min_block_n=32)
+        assert fitted.smem_bytes(num_w, 4, 4) <= limit and fitted.max_concurrent_steps >= 2, cfg
+        assert fitted.block_m == cfg.block_m and fitted.block_k == cfg.block_k
+    # Two f32 stages of the fused prefill tile overflow: N narrows to 64 instead.
+    f32_prefill = mosaic_sm90.fit_smem(mosaic_sm90.FUSED_PREFILL, 2, 4, 4, min_block_n=32)
+    assert (f32_prefill.block_n, f32_prefill.max_concurrent_steps) == (64, 3)
     assert mosaic_sm90.default_config(256, 112, 2) == mosaic_sm90.FUSED_DECODE
     assert mosaic_sm90.default_config(128 * 112, 112, 2) == mosaic_sm90.FUSED_PREFILL
     assert mosaic_sm90.default_config(4096, 28, 1) == mosaic_sm90.PLAIN_PREFILL
-    # Mosaic's own SMEM check agrees with smem_bytes: one stage too many fails to lower.
+    # Mosaic's own SMEM check agrees with smem_bytes: one stage too many fails to
+    # lower (bf16), and so do the unshrunk prefill tiles with float32 planes.
     too_deep = dataclasses.replace(mosaic_sm90.FUSED_PREFILL, max_concurrent_steps=5)
     assert too_deep.smem_bytes(2, 2, 2) > limit
-    monkeypatch.setattr(mosaic_sm90, "fit_stages", lambda cfg, *_: cfg)
+    monkeypatch.setattr(mosaic_sm90, "fit_smem", lambda cfg, *_: cfg)
     S = jax.ShapeDtypeStruct
-    with pytest.raises(ValueError, match="shared memory"):
-        kc.lower_for_sm90(
-            lambda x, a, b, s: mosaic_sm90.grouped_situ_glu(x, a, b, s, config=too_deep, **SITU),
-            S((256, 3584), BF16), S((8, 3584, 3072), BF16), S((8, 3584, 3072), BF16),
-            S((8,), jnp.int32))
+    for cfg, dtype in [(too_deep, BF16), (mosaic_sm90.FUSED_PREFILL, F32)]:
+        with pytest.raises(ValueError, match="shared memory"):
+            kc.lower_for_sm90(
+                lambda x, a, b, s, cfg=cfg: mosaic_sm90.grouped_situ_glu(x, a, b, s, config=cfg,
+                                                                         **SITU),
+                S((256, 3584), dtype), S((8, 3584, 3072), dtype), S((8, 3584, 3072), dtype),
+                S((8,), jnp.int32))
 
 
 def test_backend_dispatch():
