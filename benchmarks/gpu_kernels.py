@@ -242,7 +242,8 @@ def grouped_rows(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, de
             active = int(jnp.sum(sizes > 0))
             x_up = jax.random.normal(keys[3], (m, plan.latent), dtype)
             x_down = jax.random.normal(keys[3], (m, plan.inter), dtype)
-            situ_epilogue = lambda g, u: situ_glu(g, u, **situ)
+            def situ_epilogue(g, u):
+                return situ_glu(g, u, **situ)
             ops = [
                 ("gate_up_situ", plan.latent, plan.inter, 2, (x_up, w_gate, w_up, sizes),
                  lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=kernel_backend, **situ),

@@ -10,9 +10,21 @@ Data flows one way: config -> layout -> modules -> kernels.
 """
 
 from k3jax.config import K3, PRESETS, TINY, TINY_GROUPED, K3Config, from_hf_config, preset
-from k3jax.layout import (DATA, MESH_AXES, TENSOR, Layout, MlpLayout, MlpMode, MoEMode,
-                          ParallelConfig, abstract_mesh, make_layout, make_mesh, mlp_layout,
-                          padded_moe_intermediate)
+from k3jax.layout import (
+                          DATA,
+                          MESH_AXES,
+                          TENSOR,
+                          Layout,
+                          MlpLayout,
+                          MlpMode,
+                          MoEMode,
+                          ParallelConfig,
+                          abstract_mesh,
+                          make_layout,
+                          make_mesh,
+                          mlp_layout,
+                          padded_moe_intermediate,
+)
 from k3jax.modules import AbstractSource, KimiMLP, KimiMoE, ParamSource, RandomSource, build_layer
 from k3jax.ops import SiTU, rms_norm, route, routed_experts, situ_mlp
 

@@ -28,7 +28,8 @@ import os
 from typing import Sequence
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
 

@@ -36,8 +36,16 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.layout import (TENSOR, Layout, MlpMode, MoEMode, ParallelConfig, abstract_mesh,
-                          make_layout, padded_rows)
+from k3jax.layout import (
+    TENSOR,
+    Layout,
+    MlpMode,
+    MoEMode,
+    ParallelConfig,
+    abstract_mesh,
+    make_layout,
+    padded_rows,
+)
 from k3jax.memory import param_shard_bytes
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS, ExpertStorage

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import TINY, AbstractSource, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
+from numerics import rel_err
 
 SEED = 0
 DENSE_LAYER, MOE_LAYER = 0, 1
@@ -93,13 +94,6 @@ def inputs(cfg, T: int, dtype=jnp.float32) -> jax.Array:
     """Fresh normal x_TD [T, D] (a fixed key per T, so every layout sees the same)."""
     x_TD = jax.random.normal(jax.random.key(1000 + T), (T, cfg.hidden_size), jnp.float32)
     return x_TD.astype(dtype)
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    """max |got - want| / max |want| (NaN in either gives NaN, which fails any <)."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 # -- compiled HLO ------------------------------------------------------------

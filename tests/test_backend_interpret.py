@@ -18,14 +18,15 @@ import os
 
 import numpy as np
 import pytest
-from reference_np import np_mlp, np_moe, np_route
 from safetensors.numpy import load_file
 
-from pallas_kernels.grouped_matmul import mosaic_sm90
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main
 from k3jax.config import TINY
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy
+from numerics import rel_err
+from pallas_kernels.grouped_matmul import mosaic_sm90
+from reference_np import np_mlp, np_moe, np_route
 
 TOKENS = 5  # odd: pads to 8 rows under sequence parallelism over 8 devices
 TOL = 1e-4
@@ -35,15 +36,6 @@ LAYOUTS = {
               "--shard-shared-expert"],
 }
 PREFIXES = {0: "model.layers.0.mlp.", 1: "model.layers.1.block_sparse_moe."}
-
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want| in float64; NaN or inf never passes."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def layer_tensors(ckpt, layer: int) -> dict[str, np.ndarray]:

@@ -15,38 +15,27 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from flax import nnx
-from reference_np import np_mlp, np_moe, random_moe_tensors
 
-from k3jax.checkpoint import (CheckpointError, CheckpointReader, load_layer,
-                              make_synthetic_checkpoint, write_checkpoint)
+from k3jax.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    load_layer,
+    make_synthetic_checkpoint,
+    write_checkpoint,
+)
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.config import TINY, TINY_GROUPED, from_hf_config
 from k3jax.layout import ParallelConfig, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
+from numerics import jitted, rel_err
+from reference_np import np_mlp, np_moe, random_moe_tensors
 
 BF16 = ml_dtypes.bfloat16
 MOE = layer_prefix(1, True)       # "model.layers.1.block_sparse_moe."
 
 
 # -- helpers ------------------------------------------------------------------
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want|; NaN or inf never passes."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.all(np.isfinite(got)), "non-finite values"
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def jitted(module):
-    """x_TD -> float32 y_TD through one jit of the module."""
-    graphdef, state = nnx.split(module)
-    f = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
-    return lambda x: np.asarray(f(state, jnp.asarray(x)))
-
-
 def tokens(num_tokens, hidden, seed=0):
     return np.random.default_rng(seed).standard_normal((num_tokens, hidden)).astype(np.float32)
 

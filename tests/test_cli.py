@@ -13,25 +13,17 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-from reference_np import np_mlp, np_moe
 
 from k3jax.checkpoint import CheckpointReader, write_checkpoint
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.cli import main
 from k3jax.config import TINY
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy
+from numerics import rel_err
+from reference_np import np_mlp, np_moe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = layer_prefix(1, True)
-
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want|; NaN or inf never passes."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.all(np.isfinite(got)), "non-finite values"
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def layer_tensors(ckpt, layer):

@@ -12,9 +12,9 @@ import re
 from collections import Counter
 
 import pytest
-from layout_cases import COLLECTIVES, LAYOUTS, compiled_hlo, count_collectives
 
 from k3jax import TINY, MlpMode, MoEMode, make_layout
+from layout_cases import COLLECTIVES, LAYOUTS, compiled_hlo, count_collectives
 
 T = 64                      # divides every layout's row blocks
 LAYERS = {"dense": 0, "moe": 1}

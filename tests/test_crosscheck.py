@@ -11,8 +11,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from flax import nnx
-from reference_np import np_mlp, np_moe, random_moe_tensors
 
 from k3jax.checkpoint import CheckpointReader, load_layer, write_checkpoint
 from k3jax.checkpoint.names import layer_prefix
@@ -20,25 +18,11 @@ from k3jax.config import TINY, TINY_GROUPED
 from k3jax.ops import route
 from k3jax.reference import load_layer_from_safetensors
 from k3jax.reference import route as torch_route
+from numerics import jitted, rel_err
+from reference_np import np_mlp, np_moe, random_moe_tensors
 
 CONFIGS = {"tiny": TINY, "grouped": TINY_GROUPED}
 TOKENS = (1, 7, 64)
-
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want|; NaN or inf never passes."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.all(np.isfinite(got)), "non-finite values"
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
-def jitted(module):
-    """x_TD -> float32 y_TD through one jit of the module."""
-    graphdef, state = nnx.split(module)
-    f = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
-    return lambda x: np.asarray(f(state, jnp.asarray(x)))
 
 
 def dense_tensors(cfg, rng):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from k3jax import TINY, TINY_GROUPED, MoEMode, make_layout
 from layout_cases import (
     DENSE_LAYER,
     EXTRA_LAYOUTS,
@@ -24,8 +26,6 @@ from layout_cases import (
     rel_err,
 )
 from reference_np import np_mlp, np_moe
-
-from k3jax import TINY, TINY_GROUPED, MoEMode, make_layout
 
 FP32_TOL, BF16_VS_BF16_TOL, BF16_VS_FP32_TOL = 1e-5, 1e-2, 2e-2
 LAYERS = {"dense": DENSE_LAYER, "moe": MOE_LAYER}
@@ -41,7 +41,8 @@ def _check_finite(y, what):
 # -- the single-device anchor ------------------------------------------------
 def _np_tensors(moe) -> dict:
     """The single-device KimiMoE's weights as HF-named float64 tensors ([out, in])."""
-    f64 = lambda a: np.asarray(a, np.float64)
+    def f64(a):
+        return np.asarray(a, np.float64)
     t = {"gate.weight": f64(moe.router_DE[...]).T,
          "gate.e_score_correction_bias": f64(moe.router_bias_E[...]),
          "routed_expert_down_proj.weight": f64(moe.lat_down_DL[...]).T,
@@ -76,7 +77,7 @@ def test_single_device_matches_float64_numpy(cfg):
 def _fp32_cases():
     cases = [(name, layer, 5) for name in MULTI_DEVICE for layer in LAYERS]
     cases += [(name, layer, T) for T in (1, 64) for name in SUBSET for layer in LAYERS]
-    return [pytest.param(n, l, T, id=f"{n}-{l}-T{T}") for n, l, T in cases]
+    return [pytest.param(n, layer, T, id=f"{n}-{layer}-T{T}") for n, layer, T in cases]
 
 
 @pytest.mark.parametrize("name, layer, T", _fp32_cases())

@@ -19,13 +19,14 @@ import time
 
 import numpy as np
 import pytest
-from reference_np import np_moe
 from safetensors.numpy import load_file
 
 from k3jax import distributed
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main as cli_main
 from k3jax.config import TINY
+from numerics import rel_err
+from reference_np import np_moe
 
 LAYOUT = ["--devices", "8", "--tp", "8", "--sequence-parallel", "--expert-parallel",
           "--shard-shared-expert", "--backend", "xla"]
@@ -114,12 +115,6 @@ def layer_tensors_f64(ckpt, layer: int) -> dict[str, np.ndarray]:
             if name.startswith(prefix):
                 tensors[name[len(prefix):]] = value.astype(np.float64)
     return tensors
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.all(np.isfinite(got))
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path, procs):

@@ -8,19 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference_np import np_mlp, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 from k3jax.config import TINY, TINY_GROUPED
 from k3jax.ops import SiTU, rms_norm, route, routed_experts, situ_mlp
-
-
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want|; NaN or inf never passes."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.all(np.isfinite(got)), "non-finite values"
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+from numerics import rel_err
+from reference_np import np_mlp, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 
 def by_id(ids_TK, weights_TK):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from layout_cases import LAYOUTS, MOE_LAYER, module
 
 from k3jax import K3, TINY, AbstractSource, MlpMode, ParallelConfig, abstract_mesh, build_layer, make_layout
 from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
+from layout_cases import LAYOUTS, MOE_LAYER, module
 
 SHARED = ("gate_DF", "up_DF", "down_FD")
 

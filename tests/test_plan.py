@@ -18,8 +18,15 @@ from jax.sharding import NamedSharding
 from k3jax import K3, TINY, ParallelConfig, build_layer, make_layout, make_mesh
 from k3jax.cli import main as cli_main
 from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
-from k3jax.plan import (COMPONENTS, format_gb, format_gib, layer_param_bytes, make_plan,
-                        moe_collectives, plan_layer_bytes)
+from k3jax.plan import (
+    COMPONENTS,
+    format_gb,
+    format_gib,
+    layer_param_bytes,
+    make_plan,
+    moe_collectives,
+    plan_layer_bytes,
+)
 
 MOE_LAYERS = 92
 SHARED_PER_LAYER = 7168 * (2 * 6144 + 6144) * 2          # SPEC 6: 264,241,152 B
@@ -102,6 +109,7 @@ def test_mxfp4_plan_matches_placed_packed_experts(eight_devices):
     """MXFP4 bytes in the plan are the bytes of really placed packed expert
     arrays (uint8 codes + scales), per device, in TP (padded) and EP layouts."""
     import jax.numpy as jnp
+
     from k3jax import RandomSource, make_mesh
     from k3jax.memory import addressable_bytes_per_device
     from k3jax.modules.moe import ExpertStorage, KimiMoE
@@ -322,6 +330,6 @@ def test_collective_bytes_full_size():
     assert got[("all-gather", "top-k expert ids")] == (("data", "tensor"), 1024 * 16 * 4)
     assert got[("reduce-scatter", "routed latent (partial sums)")] == (("data", "tensor"), 1024 * 3584 * 4)
     assert got[("all-gather", "shared-expert input rows")] == (("tensor",), 512 * 7168 * 2)
-    assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 2)  # bf16 partials, as vLLM
+    assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 2)
     tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8)), 1000, "bfloat16")
     assert [(c.kind, c.axes, c.bytes) for c in tp] == [("all-reduce", ("tensor",), 1000 * (3584 + 7168) * 4)]

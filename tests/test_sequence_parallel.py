@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from layout_cases import MOE_LAYER, module, output, rel_err
 
 import k3jax.modules.moe as moe_module
 from k3jax import DATA, TENSOR, TINY, TINY_GROUPED, ParallelConfig, make_mesh, route
 from k3jax.layout import padded_rows
 from k3jax.ops import SiTU, routed_experts
 from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
+from layout_cases import MOE_LAYER, module, output, rel_err
 
 
 def normal(key: int, shape) -> jax.Array:
@@ -95,7 +95,8 @@ def test_padding_rows_contribute_nothing_even_if_not_finite(first_expert):
     act = SiTU.from_config(TINY)
     experts = jax.jit(lambda lat: routed_experts(lat, ids, w, w1, w3, w2, act,
                                                  first_expert=first_expert, backend="xla"))
-    run = lambda lat: np.asarray(experts(lat))
+    def run(lat):
+        return np.asarray(experts(lat))
     clean = run(lat)
     poisoned = run(lat.at[T:].set(jnp.nan).at[T + 1].set(jnp.inf))
     assert np.all(np.isfinite(poisoned))

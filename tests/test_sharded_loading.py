@@ -155,7 +155,8 @@ def test_each_block_read_once_from_its_own_region(checkpoint, eight_devices):
     reader = RecordingReader(d)
     module, peak, blocks = load_measured(reader, parallel, mesh)
 
-    local = lambda a: a.sharding.addressable_devices_indices_map(a.shape)
+    def local(a):
+        return a.sharding.addressable_devices_indices_map(a.shape)
     counts = collections.Counter((name, region) for name, region, _ in reader.reads)
     assert set(counts) == block_regions(module, local)
     assert max(counts.values()) == 1      # blocks replicated over 'data' are read once
@@ -191,7 +192,8 @@ def _worker(port: int, process_id: int, ckpt: str, out: str) -> None:
     mesh = make_mesh(parallel, jax.devices())
     reader = RecordingReader(ckpt)
     module, peak, blocks = load_measured(reader, parallel, mesh)
-    local = lambda a: a.sharding.addressable_devices_indices_map(a.shape)
+    def local(a):
+        return a.sharding.addressable_devices_indices_map(a.shape)
     with open(out, "w") as f:
         json.dump({"reads": reader.reads, "peak": peak, "blocks": blocks,
                    "largest_block": largest_block_bytes(module, local),

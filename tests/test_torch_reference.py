@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
-from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
 from k3jax.config import TINY, TINY_GROUPED
+from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
 from k3jax.reference import (
     TorchKimiMLP,
     TorchKimiMoE,
@@ -19,17 +18,12 @@ from k3jax.reference import (
     route,
     situ_glu,
 )
+from numerics import rel_err
+from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 CONFIGS = {"tiny": TINY, "tiny_grouped": TINY_GROUPED}
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 4e-2}
 NP_DTYPE = {torch.float64: np.float64, torch.float32: np.float32}
-
-
-def rel_err(got, want) -> float:
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def to_np(t: torch.Tensor) -> np.ndarray:

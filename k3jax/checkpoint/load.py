@@ -7,14 +7,13 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from pallas_kernels.backend import Backend
-
 from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer
 from k3jax.modules.moe import ExpertStorage, moe_decls
 from k3jax.modules.params import ParamDecl, ParamSource
+from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
 

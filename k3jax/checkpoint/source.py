@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
+from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
 
 
 def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Array:

@@ -12,11 +12,10 @@ from typing import Iterator, Literal
 import numpy as np
 from safetensors.numpy import save_file
 
-from k3jax.ops.mxfp4 import encode_mxfp4
-from k3jax.checkpoint.names import (LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors,
-                                    mxfp4_names)
+from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import INDEX_FILE
 from k3jax.config import K3Config
+from k3jax.ops.mxfp4 import encode_mxfp4
 
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormat = Literal["dense", "mxfp4"]

@@ -164,9 +164,8 @@ def _bench(args: argparse.Namespace) -> int:
         request_devices(args.devices or DEFAULT_CPU_DEVICES)
     except RuntimeError:
         pass    # JAX already started (e.g. called in-process): use the devices it has
+    from k3jax.bench import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
     from k3jax.files import atomic_write
-    from k3jax.bench import (DEFAULT_TOKENS, default_experts, plot_result, run_bench,
-                             scale_config)
 
     devices, simulated = _select_devices(args)
     n = len(devices)

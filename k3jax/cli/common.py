@@ -4,7 +4,6 @@ dtypes and the kernel backend."""
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp

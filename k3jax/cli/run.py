@@ -12,9 +12,18 @@ import time
 import numpy as np
 
 from k3jax import distributed
-from k3jax.cli.common import (BACKENDS, DTYPES, UsageError, add_device_flags, add_parallel_flags,
-                              atomic_save_npy, parallel_from_args, pick_devices, positive_int,
-                              request_devices)
+from k3jax.cli.common import (
+    BACKENDS,
+    DTYPES,
+    UsageError,
+    add_device_flags,
+    add_parallel_flags,
+    atomic_save_npy,
+    parallel_from_args,
+    pick_devices,
+    positive_int,
+    request_devices,
+)
 
 DEFAULT_TOKENS = 7
 DEFAULT_SEED = 0

@@ -5,13 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from pallas_kernels.backend import Backend
-
 from k3jax.layout import Layout
 from k3jax.modules.mlp import KimiMLP
 from k3jax.modules.moe import ExpertStorage, KimiMoE
 from k3jax.modules.params import ParamSource
 from k3jax.ops import SiTU
+from pallas_kernels.backend import Backend
 
 
 def build_layer(layout: Layout, layer: int, mesh: Mesh | AbstractMesh, *, source: ParamSource,

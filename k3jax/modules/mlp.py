@@ -15,14 +15,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, AbstractMesh, NamedSharding, PartitionSpec as P
-
-from pallas_kernels.backend import Backend
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k3jax.layout import TENSOR, MlpLayout, MlpMode
 from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, situ_mlp
 from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
+from pallas_kernels.backend import Backend
 
 MlpWeights = dict[str, jax.Array]   # {"gate_DF", "up_DF", "down_FD"}
 

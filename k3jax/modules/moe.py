@@ -34,16 +34,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from pallas_kernels.backend import Backend
-
 from k3jax.config import K3Config
 from k3jax.layout import MESH_AXES, TENSOR, Layout, MoEMode
 from k3jax.modules.mlp import MLP_LOCAL, KimiMLP, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
-from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4
 from k3jax.ops.matmul import matmul
+from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4
 from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
+from pallas_kernels.backend import Backend
 
 
 class ExpertStorage(enum.Enum):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.situ import situ_glu
-
 from k3jax.config import K3Config
+from pallas_kernels.situ import situ_glu
 
 
 @dataclasses.dataclass(frozen=True)

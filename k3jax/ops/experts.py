@@ -6,10 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.activation import SiTU
 from pallas_kernels.backend import Backend
 from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
-
-from k3jax.ops.activation import SiTU
 
 
 def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,

@@ -2,11 +2,10 @@
 
 import jax
 
-from pallas_kernels.backend import Backend
-from pallas_kernels.situ_mlp.api import situ_mlp_up
-
 from k3jax.ops.activation import SiTU
 from k3jax.ops.matmul import matmul
+from pallas_kernels.backend import Backend
+from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 
 def situ_mlp(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, down_FD: jax.Array,

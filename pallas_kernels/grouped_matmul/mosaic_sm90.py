@@ -250,7 +250,8 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
     def body(meta_gmem, *refs):
         x_gmems, w_gmems, o_gmem = refs[:planes], refs[planes:-1], refs[-1]
         num_items = meta_gmem.shape[1]
-        ignore = lambda *_, **__: None
+        def ignore(*_, **__):
+            return None
         allocs = pipeline_for(ignore, ignore).get_allocations(*x_gmems,
                                                               *[w.at[0] for w in w_gmems])
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_cases as kc
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
+import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
 from pallas_kernels.grouped_matmul import mosaic_sm90, reference
 

@@ -13,7 +13,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-
 from pallas_kernels import situ_glu
 
 

@@ -13,7 +13,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-
 from pallas_kernels import situ_mlp_up
 from pallas_kernels.situ_mlp import reference
 
