@@ -8,7 +8,15 @@ import json
 import os
 import sys
 
-from k3jax.cli.common import BACKENDS, UsageError, positive_int, request_devices
+from k3jax.cli.common import (
+    BACKENDS,
+    UsageError,
+    config_from_args,
+    non_negative_int,
+    positive_int,
+    report_errors,
+    request_devices,
+)
 from k3jax.config import PRESETS
 
 DEFAULT_CPU_DEVICES = 8
@@ -34,16 +42,6 @@ def token_list(text: str) -> list[int]:
     if sorted(set(values)) != values:
         raise argparse.ArgumentTypeError(f"token counts must be increasing and distinct, got {text!r}")
     return values
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def add_parser(sub) -> None:
@@ -91,14 +89,7 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
-    try:
-        return _bench(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+    return report_errors(lambda: _bench(args), prog)
 
 
 def _check_output(path: str | None, flag: str, suffix: str) -> None:
@@ -150,15 +141,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError("--devices must be >= 2: sequence parallelism splits tokens over the tensor axis")
     if args.min_sample_ms < 0:
         raise UsageError("--min-sample-ms must be >= 0")
-    from k3jax.config import from_hf_config, preset
-    try:
-        if args.config:
-            base, source = from_hf_config(args.config), f"config {args.config}"
-        else:
-            name = args.preset or "k3"
-            base, source = preset(name), f"preset {name}"
-    except (ValueError, OSError) as e:
-        raise UsageError(str(e)) from None
+    base, source = config_from_args(args)
 
     try:
         request_devices(args.devices or DEFAULT_CPU_DEVICES)

@@ -4,10 +4,13 @@ dtypes and the kernel backend."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.config import K3Config, from_hf_config, preset
 from k3jax.files import atomic_write
 from k3jax.layout import ParallelConfig
 
@@ -19,14 +22,46 @@ class UsageError(Exception):
     """A bad combination of flags: reported on one line, exit code 2."""
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def report_errors(work: Callable[[], int], prog: str) -> int:
+    """Run a sub-command's ``work``; a UsageError exits 2, a runtime error
+    (ValueError, OSError, RuntimeError) exits 1, each with one line on stderr."""
+    try:
+        return work()
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[K3Config, str]:
+    """``--config F`` or ``--preset NAME`` (default k3) -> (config, where it came from)."""
+    try:
+        if args.config:
+            return from_hf_config(args.config), f"config {args.config}"
+        name = args.preset or "k3"
+        return preset(name), f"preset {name}"
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,14 @@ import argparse
 import dataclasses
 import sys
 
-from k3jax.cli.common import UsageError, add_parallel_flags, parallel_from_args, positive_int
+from k3jax.cli.common import (
+    UsageError,
+    add_parallel_flags,
+    config_from_args,
+    parallel_from_args,
+    positive_int,
+    report_errors,
+)
 from k3jax.config import PRESETS
 
 DEFAULT_TOKENS = 256
@@ -40,12 +47,11 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
-    try:
-        plan = _plan(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
+    return report_errors(lambda: _print(_plan(args), args.json), prog)
+
+
+def _print(plan, as_json: bool) -> int:
+    if as_json:
         print(plan.to_json())
     else:
         print_plan(plan)
@@ -53,17 +59,9 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 
 def _plan(args: argparse.Namespace):
-    from k3jax.config import from_hf_config, preset
     from k3jax.plan import make_plan
 
-    try:
-        if args.config:
-            cfg, source = from_hf_config(args.config), f"config {args.config}"
-        else:
-            name = args.preset or "k3"
-            cfg, source = preset(name), f"preset {name}"
-    except (ValueError, OSError) as e:
-        raise UsageError(str(e)) from None
+    cfg, source = config_from_args(args)
     parallel = parallel_from_args(args, None)
     try:
         if args.pad_under_ep:

@@ -22,6 +22,7 @@ from k3jax.cli.common import (
     parallel_from_args,
     pick_devices,
     positive_int,
+    report_errors,
     request_devices,
 )
 
@@ -65,14 +66,7 @@ def main(args: argparse.Namespace, prog: str) -> int:
     if spec is not None:  # the work runs in a supervised child: see k3jax.distributed
         payload = {k: v for k, v in vars(args).items() if k != "main"}
         return distributed.supervise(f"{__name__}:worker_main", {**payload, "prog": prog}, spec, prog)
-    try:
-        return _run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+    return report_errors(lambda: _run(args), prog)
 
 
 def worker_main(payload: dict) -> int:
