@@ -31,6 +31,9 @@ import functools
 import threading
 
 _lock = threading.Lock()
+# A device that never arrives (a bug, not slowness) breaks the barrier after
+# this long instead of hanging every other device forever.
+_BARRIER_TIMEOUT_S = 300.0
 _installed = False
 
 
@@ -63,10 +66,10 @@ def install() -> bool:
         @functools.wraps(assert_original)
         def assert_no_barriers_allocated(token):
             barrier = _all_device_barrier(gpu_callbacks._get_shared_memory())
-            if barrier is None or barrier.wait() == 0:  # every device finished its kernel
+            if barrier is None or barrier.wait(_BARRIER_TIMEOUT_S) == 0:  # every device finished its kernel
                 assert_original(token)
             if barrier is not None:
-                barrier.wait()  # nobody frees the shared memory before the check ran
+                barrier.wait(_BARRIER_TIMEOUT_S)  # nobody frees the shared memory before the check ran
             return token
 
         @gpu_callbacks.fail_on_exception
@@ -75,9 +78,9 @@ def install() -> bool:
             barrier = _all_device_barrier(gpu_callbacks._get_shared_memory())
             if barrier is None:
                 return cluster_original(token=token)
-            if barrier.wait() == 0:  # every device finished this grid point
+            if barrier.wait(_BARRIER_TIMEOUT_S) == 0:  # every device finished this grid point
                 cluster_original(token=token)
-            barrier.wait()  # nobody starts the next grid point before the reset
+            barrier.wait(_BARRIER_TIMEOUT_S)  # nobody starts the next grid point before the reset
             return token
 
         gpu_callbacks._assert_no_barriers_allocated = assert_no_barriers_allocated
