@@ -27,6 +27,7 @@ from k3jax.plan import (
     moe_collectives,
     plan_layer_bytes,
 )
+from layout_cases import EXTRA_LAYOUTS, LAYOUTS
 
 MOE_LAYERS = 92
 SHARED_PER_LAYER = 7168 * (2 * 6144 + 6144) * 2          # SPEC 6: 264,241,152 B
@@ -222,20 +223,10 @@ class HostRandomSource:
         return jax.make_array_from_callback(decl.shape, sharding, lambda index: host[index])
 
 
-TINY_LAYOUTS = {
-    "single": ParallelConfig(),
-    "dp8": ParallelConfig(dp=8),
-    "tp8": ParallelConfig(tp=8),
-    "dp2-tp4": ParallelConfig(dp=2, tp=4),
-    "tp8-sp": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=False),
-    "tp8-sp-shard": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=True),
-    "dp2-tp4-sp-ep": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
-                                    shard_shared_expert=False),
-    "dp2-tp4-sp-ep-shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
-                                          shard_shared_expert=True),
-    "dp8-ep": ParallelConfig(dp=8, expert_parallel=True),
-    "dp8-ep-pad": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),
-}
+# Every layout the layout tests use, plus EP without the sharded shared expert on dp2 x tp4.
+TINY_LAYOUTS = {**LAYOUTS, **EXTRA_LAYOUTS,
+                "sp_ep_dp2_tp4_repl": ParallelConfig(dp=2, tp=4, sequence_parallel=True,
+                                                     expert_parallel=True, shard_shared_expert=False)}
 
 
 @pytest.mark.parametrize("name", TINY_LAYOUTS)
@@ -297,8 +288,8 @@ def planned_as_hlo(layout, tokens: int, dtype: str):
     return out
 
 
-@pytest.mark.parametrize("name", ["tp8", "dp2-tp4", "tp8-sp", "tp8-sp-shard", "dp2-tp4-sp-ep-shard",
-                                  "dp8-ep", "dp8"])
+@pytest.mark.parametrize("name", ["tp8", "dp2_tp4", "sp_tp8_repl", "sp_tp8_shard",
+                                  "sp_ep_dp2_tp4_shard", "ep_dp8", "dp8"])
 def test_collectives_match_compiled_hlo(eight_devices, name):
     """Kinds, mesh axes, dtypes and shapes of the planned collectives equal
     those in the compiled program, for T = 32 global tokens fed in the layout's
