@@ -13,13 +13,20 @@ One run measures, on one GPU:
     weight-read bandwidth vs the copy ceiling;
   * the fused dense/shared MLP up-projection situ_mlp_up (D = 7168,
     F = 6144 / tp) vs the unfused XLA reference.
-Every kernel output is checked against the XLA reference before it is timed;
-a mismatch aborts the run. Timing: jit, warm-up, block_until_ready, median of
---iters samples (each sample averages enough back-to-back calls to last
-about 1 ms, so Python dispatch does not dominate tiny kernels).
+Every kernel output is checked against the XLA reference before it is timed.
+Timing: jit, warm-up, block_until_ready, median of --iters samples (each
+sample averages enough back-to-back calls to last about 1 ms, so Python
+dispatch does not dominate tiny kernels). The JSON and markdown outputs are
+rewritten after every row ("complete": false until the end), so a run cut
+short by a time limit still leaves what it measured.
 
-  python benchmarks/gpu_kernels.py --json out.json --markdown out.md   # on an H200
-  python benchmarks/gpu_kernels.py --smoke --json /tmp/smoke.json      # CPU, seconds
+  python benchmarks/gpu_kernels.py --keep-going --json out.json --markdown out.md  # H200
+  python benchmarks/gpu_kernels.py --lower-only   # CPU: lower every kernel config for sm_90
+  python benchmarks/gpu_kernels.py --smoke --json /tmp/smoke.json                  # CPU, seconds
+
+Exit status: 0 all rows measured and correct; 1 some row failed (with
+--keep-going) or some config failed to lower (--lower-only); 2 usage error;
+3 a kernel was wrong or failed (without --keep-going: nothing after it runs).
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -45,7 +54,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
 
 BETA, LINEAR_BETA = 4.0, 25.0
+SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
 CHECK_TOL = 2e-2  # bf16 in / bf16 out vs the XLA reference, max-abs relative
+DTYPE = jnp.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +85,89 @@ FULL = Plan(latent=3584, inter=3072, num_experts=896, top_k=16, eps=(8, 16, 32),
 SMOKE = Plan(latent=64, inter=32, num_experts=16, top_k=2, eps=(4,), tokens=(24,),
              mlp_hidden=64, mlp_inter=64, tps=(2,), mlp_tokens=(8,), small_tokens=8,
              matmul_dim=128, copy_elems=1 << 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCase:
+    """One grouped MoE matmul: op at EP ``ep`` with tokens x top_k rows over
+    the ``local_experts`` = num_experts / ep experts of one device.
+
+    op "gate_up_situ": x [rows, latent] -> [rows, inter], two weights;
+    op "down":         x [rows, inter] -> [rows, latent], one weight.
+    """
+
+    op: str
+    ep: int
+    local_experts: int
+    tokens: int
+    rows: int
+    k: int
+    n: int
+    num_weights: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} ep={self.ep} tokens={self.tokens}"
+
+    def fields(self) -> dict:
+        return {"op": self.op, "ep": self.ep, "local_experts": self.local_experts,
+                "tokens": self.tokens, "rows": self.rows, "K": self.k, "N": self.n}
+
+    def arg_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """(x_MK, *w_GKN, group_sizes_G) shapes of the kernel's arguments."""
+        S = jax.ShapeDtypeStruct
+        w = S((self.local_experts, self.k, self.n), DTYPE)
+        return (S((self.rows, self.k), DTYPE), *[w] * self.num_weights,
+                S((self.local_experts,), jnp.int32))
+
+    def fn(self, backend: str) -> Callable:
+        """The op on ``backend`` as f(x, *weights, group_sizes)."""
+        if self.op == "gate_up_situ":
+            return lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=backend, **SITU)
+        return lambda x, w, s: grouped_matmul(x, w, s, backend=backend)
+
+    def epilogue(self, *products_f32):
+        """What the kernel applies to its f32 products (for the spot check)."""
+        return situ_glu(*products_f32, **SITU) if self.op == "gate_up_situ" else products_f32[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpCase:
+    """The fused MLP up-projection x [tokens, d] @ gate/up [d, f], f = F / tp."""
+
+    tp: int
+    tokens: int
+    d: int
+    f: int
+
+    @property
+    def name(self) -> str:
+        return f"situ_mlp_up tp={self.tp} tokens={self.tokens}"
+
+    def fields(self) -> dict:
+        return {"op": "situ_mlp_up", "tp": self.tp, "tokens": self.tokens, "D": self.d,
+                "F": self.f}
+
+    def arg_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        S = jax.ShapeDtypeStruct
+        return S((self.tokens, self.d), DTYPE), S((self.d, self.f), DTYPE), S((self.d, self.f), DTYPE)
+
+    @staticmethod
+    def fn(backend: str) -> Callable:
+        return lambda x, gate, up: situ_mlp_up(x, gate, up, backend=backend, **SITU)
+
+
+def grouped_cases(plan: Plan) -> list[GroupedCase]:
+    """Every grouped config of the plan, ordered by EP, then tokens, then op."""
+    ops = (("gate_up_situ", plan.latent, plan.inter, 2), ("down", plan.inter, plan.latent, 1))
+    return [GroupedCase(op, ep, plan.num_experts // ep, tokens, tokens * plan.top_k, k, n, num_w)
+            for ep in plan.eps for tokens in plan.tokens for op, k, n, num_w in ops]
+
+
+def mlp_cases(plan: Plan) -> list[MlpCase]:
+    """Every MLP config of the plan, ordered by tp, then tokens."""
+    return [MlpCase(tp, tokens, plan.mlp_hidden, plan.mlp_inter // tp)
+            for tp in plan.tps for tokens in plan.mlp_tokens]
 
 
 class KernelMismatch(RuntimeError):
@@ -107,12 +201,12 @@ def measure_ceilings(plan: Plan, iters: int) -> dict:
     """Dense bf16 matmul TFLOP/s and elementwise copy TB/s (read + write)."""
     n = plan.matmul_dim
     ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    a = jax.random.normal(ka, (n, n), DTYPE)
+    b = jax.random.normal(kb, (n, n), DTYPE)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
     t_dot = time_fn(dot, (a, b), iters=iters)
-    src = jnp.ones((plan.copy_elems,), jnp.bfloat16)
+    src = jax.random.normal(ka, (plan.copy_elems,), DTYPE)
     copy = jax.jit(lambda v: -v)  # cannot be elided; reads and writes every byte once
     jax.block_until_ready(copy(src))
     t_copy = time_fn(copy, (src,), iters=iters)
@@ -151,24 +245,24 @@ def check_against_reference(name: str, out, ref, valid_rows: int) -> float:
     return float(err)
 
 
-def spot_check_grouped(name: str, out, x, ws, sizes, epilogue) -> float:
+def spot_check_grouped(case: GroupedCase, out, x, ws, sizes) -> float:
     """Check a few groups' rows with plain dense matmuls (no ragged_dot).
 
-    Used when the XLA ragged_dot baseline cannot run (e.g. out of memory when
-    XLA expands it densely): first, middle and last non-empty group, up to 256
-    rows each; also all-finite output.
+    Used when the XLA ragged_dot baseline cannot run (XLA:GPU may expand it
+    densely, G times the work and memory, and run out of memory): first,
+    middle and last non-empty group, up to 256 rows each; also all-finite output.
     """
     sizes = np.asarray(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     nonempty = np.nonzero(sizes)[0]
     if not bool(jnp.all(jnp.isfinite(out.astype(jnp.float32)))):
-        raise KernelMismatch(f"{name}: kernel output has NaN/inf")
+        raise KernelMismatch(f"{case.name}: kernel output has NaN/inf")
     worst = 0.0
     for g in sorted({int(nonempty[0]), int(nonempty[len(nonempty) // 2]), int(nonempty[-1])}):
         rows = slice(int(starts[g]), int(starts[g] + min(sizes[g], 256)))
-        prods = [jnp.dot(x[rows], w[g], preferred_element_type=jnp.float32) for w in ws]
-        ref = epilogue(*prods)
-        worst = max(worst, check_against_reference(f"{name} group {g}", out[rows], ref,
+        products = [jnp.dot(x[rows], w[g], preferred_element_type=jnp.float32) for w in ws]
+        worst = max(worst, check_against_reference(f"{case.name} group {g}", out[rows],
+                                                   case.epilogue(*products),
                                                    rows.stop - rows.start))
     return worst
 
@@ -213,6 +307,51 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
     return row
 
 
+class Results:
+    """The run's results; rewrites --json / --markdown after every row."""
+
+    def __init__(self, meta: dict, json_path: str | None, markdown_path: str | None):
+        self.data = {"meta": {**meta, "complete": False}, "ceilings": None, "grouped": [],
+                     "mlp": []}
+        self.json_path, self.markdown_path = json_path, markdown_path
+
+    def set_ceilings(self, ceilings: dict) -> None:
+        self.data["ceilings"] = ceilings
+        self.save()
+
+    def add(self, section: str, row: dict) -> None:
+        self.data[section].append(row)
+        self.save()
+
+    def finish(self, elapsed_s: float) -> None:
+        self.data["meta"].update(complete=True, elapsed_s=elapsed_s)
+        self.save()
+
+    @property
+    def rows(self) -> list[dict]:
+        return self.data["grouped"] + self.data["mlp"]
+
+    def save(self) -> None:
+        if self.json_path:
+            _replace_file(self.json_path, json.dumps(self.data, indent=1))
+        if self.markdown_path and self.data["ceilings"] is not None:
+            _replace_file(self.markdown_path, to_markdown(self.data))
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write text beside path, then rename over it: readers never see half a file.
+    (Self-contained: the GPU machine has jax and numpy, not k3jax's dependencies.)"""
+    fd, tmp = tempfile.mkstemp(prefix=".bench-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
     """fn(*args, **kwargs); with keep_going a KernelMismatch becomes an "error" row."""
     try:
@@ -224,176 +363,215 @@ def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
         return {"error": str(e)}
 
 
-def grouped_rows(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
-                 log: Callable[[str], None], keep_going: bool = False) -> list[dict]:
-    """The grouped MoE sweep: ops x EP x token counts."""
-    rows = []
-    dtype = jnp.bfloat16
-    situ = {"beta": BETA, "linear_beta": LINEAR_BETA}
-    for ep in plan.eps:
-        groups = plan.num_experts // ep
-        keys = jax.random.split(jax.random.key(ep), 4)
-        w_gate = jax.random.normal(keys[0], (groups, plan.latent, plan.inter), dtype) * plan.latent ** -0.5
-        w_up = jax.random.normal(keys[1], (groups, plan.latent, plan.inter), dtype) * plan.latent ** -0.5
-        w_down = jax.random.normal(keys[2], (groups, plan.inter, plan.latent), dtype) * plan.inter ** -0.5
-        for tokens in plan.tokens:
-            m = tokens * plan.top_k
-            sizes = jnp.asarray(routed_group_sizes(m, groups, seed=tokens + ep))
-            active = int(jnp.sum(sizes > 0))
-            x_up = jax.random.normal(keys[3], (m, plan.latent), dtype)
-            x_down = jax.random.normal(keys[3], (m, plan.inter), dtype)
-            def situ_epilogue(g, u):
-                return situ_glu(g, u, **situ)
-            ops = [
-                ("gate_up_situ", plan.latent, plan.inter, 2, (x_up, w_gate, w_up, sizes),
-                 lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=kernel_backend, **situ),
-                 lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="xla", **situ),
-                 situ_epilogue),
-                ("down", plan.inter, plan.latent, 1, (x_down, w_down, sizes),
-                 lambda x, w, s: grouped_matmul(x, w, s, backend=kernel_backend),
-                 lambda x, w, s: grouped_matmul(x, w, s, backend="xla"),
-                 lambda y: y),
-            ]
-            for op, k, n, num_w, args, kernel_fn, xla_fn, epilogue in ops:
-                base = {"op": op, "ep": ep, "local_experts": groups, "active_experts": active,
-                        "tokens": tokens, "rows": m, "K": k, "N": n}
-                if time.monotonic() > deadline:
-                    rows.append({**base, "skipped": "time budget"})
-                    continue
-                name = f"{op} ep={ep} tokens={tokens}"
-                fallback = functools.partial(spot_check_grouped, name, x=args[0],
-                                             ws=args[1:-1], sizes=args[-1], epilogue=epilogue)
-                row = guarded(keep_going, bench_pair, name, kernel_fn, xla_fn, args,
-                              flops=2.0 * m * k * n * num_w,
-                              weight_bytes=float(active * k * n * num_w * 2), valid_rows=m,
-                              ceilings=ceilings, iters=iters, fallback_check=fallback)
-                row["small"] = tokens <= plan.small_tokens
-                rows.append({**base, **row})
-                log(format_grouped_row(rows[-1]))
-    return rows
+def run_grouped(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
+                results: Results, keep_going: bool) -> None:
+    """The grouped MoE sweep: EP x token counts x ops, one row each."""
+    weights_by_ep: dict[int, dict[str, jax.Array]] = {}
+    for case in grouped_cases(plan):
+        if time.monotonic() > deadline:
+            results.add("grouped", {**case.fields(), "skipped": "time budget"})
+            print(format_grouped_row(results.data["grouped"][-1]))
+            continue
+        if case.ep not in weights_by_ep:
+            weights_by_ep = {case.ep: _expert_weights(plan, case)}  # one EP's weights at a time
+        w = weights_by_ep[case.ep]
+        ws = (w["gate"], w["up"]) if case.op == "gate_up_situ" else (w["down"],)
+        sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
+                                               seed=case.tokens + case.ep))
+        x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
+        args = (x, *ws, sizes)
+        active = int(jnp.sum(sizes > 0))
+        row = guarded(keep_going, bench_pair, case.name, case.fn(kernel_backend), case.fn("xla"),
+                      args, flops=2.0 * case.rows * case.k * case.n * case.num_weights,
+                      weight_bytes=float(active * case.k * case.n * case.num_weights * 2),
+                      valid_rows=case.rows, ceilings=ceilings, iters=iters,
+                      fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws,
+                                                       sizes=sizes))
+        results.add("grouped", {**case.fields(), "active_experts": active,
+                                "small": case.tokens <= plan.small_tokens, **row})
+        print(format_grouped_row(results.data["grouped"][-1]))
 
 
-def mlp_rows(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
-             log: Callable[[str], None], keep_going: bool = False) -> list[dict]:
+def _expert_weights(plan: Plan, case: GroupedCase) -> dict[str, jax.Array]:
+    """Random gate/up [G, latent, inter] and down [G, inter, latent] for one EP."""
+    keys = jax.random.split(jax.random.key(case.ep), 3)
+    shape_up = (case.local_experts, plan.latent, plan.inter)
+    shape_down = (case.local_experts, plan.inter, plan.latent)
+    return {"gate": jax.random.normal(keys[0], shape_up, DTYPE) * plan.latent ** -0.5,
+            "up": jax.random.normal(keys[1], shape_up, DTYPE) * plan.latent ** -0.5,
+            "down": jax.random.normal(keys[2], shape_down, DTYPE) * plan.inter ** -0.5}
+
+
+def run_mlp(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
+            results: Results, keep_going: bool) -> None:
     """The fused dense MLP up-projection sweep: tp x token counts."""
-    rows = []
-    dtype = jnp.bfloat16
-    situ = {"beta": BETA, "linear_beta": LINEAR_BETA}
-    d = plan.mlp_hidden
-    for tp in plan.tps:
-        f = plan.mlp_inter // tp
-        keys = jax.random.split(jax.random.key(100 + tp), 3)
-        gate = jax.random.normal(keys[0], (d, f), dtype) * d ** -0.5
-        up = jax.random.normal(keys[1], (d, f), dtype) * d ** -0.5
-        for tokens in plan.mlp_tokens:
-            base = {"op": "situ_mlp_up", "tp": tp, "tokens": tokens, "D": d, "F": f}
-            if time.monotonic() > deadline:
-                rows.append({**base, "skipped": "time budget"})
-                continue
-            x = jax.random.normal(keys[2], (tokens, d), dtype)
-            row = guarded(
-                keep_going, bench_pair, f"situ_mlp_up tp={tp} tokens={tokens}",
-                lambda a, b, c: situ_mlp_up(a, b, c, backend=kernel_backend, **situ),
-                lambda a, b, c: situ_mlp_up(a, b, c, backend="xla", **situ),
-                (x, gate, up), flops=2.0 * tokens * d * f * 2, weight_bytes=2.0 * d * f * 2,
-                valid_rows=tokens, ceilings=ceilings, iters=iters)
-            rows.append({**base, **row})
-            log(format_mlp_row(rows[-1]))
-    return rows
+    for case in mlp_cases(plan):
+        if time.monotonic() > deadline:
+            results.add("mlp", {**case.fields(), "skipped": "time budget"})
+            print(format_mlp_row(results.data["mlp"][-1]))
+            continue
+        keys = jax.random.split(jax.random.key(100 + case.tp), 3)
+        gate = jax.random.normal(keys[0], (case.d, case.f), DTYPE) * case.d ** -0.5
+        up = jax.random.normal(keys[1], (case.d, case.f), DTYPE) * case.d ** -0.5
+        x = jax.random.normal(keys[2], (case.tokens, case.d), DTYPE)
+        row = guarded(keep_going, bench_pair, case.name, case.fn(kernel_backend), case.fn("xla"),
+                      (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
+                      weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
+                      ceilings=ceilings, iters=iters)
+        results.add("mlp", {**case.fields(), **row})
+        print(format_mlp_row(results.data["mlp"][-1]))
+
+
+def lower_all(plan: Plan) -> int:
+    """Lower every kernel config of the plan for sm_90 on this host (no GPU
+    needed: Pallas lowering, Mosaic GPU layout inference, the SMEM budget).
+    Returns the number of configs that failed."""
+    failures = 0
+    cases = [(c.name, c.fn("pallas"), c.arg_specs()) for c in grouped_cases(plan)]
+    cases += [(c.name, c.fn("pallas"), c.arg_specs()) for c in mlp_cases(plan)]
+    for name, fn, specs in cases:
+        t0 = time.perf_counter()
+        try:
+            text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            if "mosaic_gpu" not in text:
+                raise RuntimeError("no Mosaic GPU custom call in the lowered module")
+            print(f"lowered  {name:<34} {time.perf_counter() - t0:5.2f} s")
+        except Exception as e:  # noqa: BLE001 -- report every failing config, then exit 1
+            failures += 1
+            print(f"FAILED   {name:<34} {type(e).__name__}: {str(e)[:500]}")
+    print(f"# {len(cases) - failures} of {len(cases)} configs lower for sm_90")
+    return failures
 
 
 def _fmt(row: dict, impl: str, key: str, spec: str) -> str:
     return format(row[impl][key], spec) if impl in row else "-"
 
 
+def _status(row: dict) -> str | None:
+    """'skipped (why)' or 'ERROR ...' for a row that was not measured, else None."""
+    if "skipped" in row:
+        return f"skipped ({row['skipped']})"
+    if "error" in row:
+        return f"ERROR {row['error'][:200]}"
+    return None
+
+
 def format_grouped_row(r: dict) -> str:
-    if "error" in r:
-        return f"{r['op']:<13} ep={r['ep']:<3} tokens={r['tokens']:<6} ERROR {r['error'][:200]}"
-    if "skipped" in r:
-        return f"{r['op']:<13} ep={r['ep']:<3} tokens={r['tokens']:<6} skipped ({r['skipped']})"
+    head = f"{r['op']:<13} ep={r['ep']:<3} E={r['local_experts']:<4} tokens={r['tokens']:<6}"
+    if (status := _status(r)) is not None:
+        return f"{head} {status}"
     bw = f"{_fmt(r, 'kernel', 'weight_tbps', '.2f')} TB/s ({_fmt(r, 'kernel', 'pct_copy', '.0f')}% copy)"
-    return (f"{r['op']:<13} ep={r['ep']:<3} E={r['local_experts']:<4} tokens={r['tokens']:<6} "
-            f"rows={r['rows']:<7} kernel {_fmt(r, 'kernel', 'us', '10.1f')} us "
+    return (f"{head} rows={r['rows']:<7} kernel {_fmt(r, 'kernel', 'us', '10.1f')} us "
             f"{_fmt(r, 'kernel', 'tflops', '6.1f')} TF/s ({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense)"
             f" | xla {_fmt(r, 'xla', 'us', '10.1f')} us ({_fmt(r, 'xla', 'pct_dense', '4.1f')}%)"
             f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else ""))
 
 
 def format_mlp_row(r: dict) -> str:
-    if "error" in r:
-        return f"situ_mlp_up tp={r['tp']} tokens={r['tokens']} ERROR {r['error'][:200]}"
-    if "skipped" in r:
-        return f"situ_mlp_up tp={r['tp']} tokens={r['tokens']} skipped ({r['skipped']})"
-    return (f"situ_mlp_up   tp={r['tp']:<2} F={r['F']:<5} tokens={r['tokens']:<5} kernel "
-            f"{_fmt(r, 'kernel', 'us', '9.1f')} us ({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense, "
+    head = f"situ_mlp_up   tp={r['tp']:<2} F={r['F']:<5} tokens={r['tokens']:<5}"
+    if (status := _status(r)) is not None:
+        return f"{head} {status}"
+    return (f"{head} kernel {_fmt(r, 'kernel', 'us', '9.1f')} us "
+            f"({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense, "
             f"weights {_fmt(r, 'kernel', 'pct_copy', '.0f')}% copy) | xla "
             f"{_fmt(r, 'xla', 'us', '9.1f')} us | x{r.get('speedup', float('nan')):.2f}")
+
+
+def _table(headers: list[str], lead: list[list], cells: list[list[str] | str]) -> list[str]:
+    """Markdown table rows: each row's lead columns, then its cells (or its
+    status string in the first cell and the remaining cells empty)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for lead_row, row_cells in zip(lead, cells, strict=True):
+        if isinstance(row_cells, str):
+            row_cells = [row_cells] + [""] * (len(headers) - len(lead_row) - 1)
+        lines.append("| " + " | ".join(str(c) for c in [*lead_row, *row_cells]) + " |")
+    return lines
 
 
 def to_markdown(result: dict) -> str:
     """A snippet for BENCHMARKS.md: provenance, ceilings, one table per sweep."""
     meta, ceil = result["meta"], result["ceilings"]
     lines = [
-        f"### Pallas Mosaic GPU kernels: {meta['date']}",
+        f"### Pallas Mosaic GPU kernels: {meta['date']}"
+        + ("" if meta["complete"] else " (incomplete: the run was cut short)"),
         "",
         (f"- GPU: {meta['gpu']} ({meta['platform']}), jax {meta['jax_version']}, "
-         f"kernel backend `{meta['kernel_backend']}`"),
+         f"jaxlib {meta['jaxlib_version']}, kernel backend `{meta['kernel_backend']}`"),
         f"- Command: `{meta['command']}`",
         (f"- Ceilings: bf16 matmul {ceil['matmul_shape'][0]}^3 = {ceil['matmul_tflops']:.1f} TFLOP/s; "
          f"elementwise copy = {ceil['copy_tbps']:.2f} TB/s (read + write)"),
         (f"- Timing: median of {meta['iters']} samples after warm-up; kernel outputs checked "
          f"against XLA (max rel err <= {CHECK_TOL})."),
         "",
-        ("| op | EP | local experts | tokens | rows | kernel us | XLA us | speedup | "
-         "kernel % dense | XLA % dense | kernel weight TB/s (% copy) |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["grouped"]:
-        if "skipped" in r or "error" in r:
-            status = "skipped" if "skipped" in r else "ERROR"
-            lines.append(f"| {r['op']} | {r['ep']} | {r['local_experts']} | {r['tokens']} | "
-                         f"{r['rows']} | {status} | | | | | |")
-            continue
-        bw = (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
-              if r["small"] else "")
-        lines.append(
-            f"| {r['op']} | {r['ep']} | {r['local_experts']} | {r['tokens']} | {r['rows']} | "
-            f"{_fmt(r, 'kernel', 'us', '.1f')} | {_fmt(r, 'xla', 'us', '.1f')} | "
-            f"{r.get('speedup', float('nan')):.2f} | {_fmt(r, 'kernel', 'pct_dense', '.1f')} | "
-            f"{_fmt(r, 'xla', 'pct_dense', '.1f')} | {bw} |")
-    lines += ["", "| op | tp | D | F | tokens | kernel us | XLA us | speedup | kernel % dense |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["mlp"]:
-        if "skipped" in r or "error" in r:
-            status = "skipped" if "skipped" in r else "ERROR"
-            lines.append(f"| situ_mlp_up | {r['tp']} | {r['D']} | {r['F']} | {r['tokens']} | "
-                         f"{status} | | | |")
-            continue
-        lines.append(
-            f"| situ_mlp_up | {r['tp']} | {r['D']} | {r['F']} | {r['tokens']} | "
-            f"{_fmt(r, 'kernel', 'us', '.1f')} | {_fmt(r, 'xla', 'us', '.1f')} | "
-            f"{r.get('speedup', float('nan')):.2f} | {_fmt(r, 'kernel', 'pct_dense', '.1f')} |")
+    grouped = result["grouped"]
+    lines += _table(
+        ["op", "EP", "local experts", "tokens", "rows", "kernel us", "XLA us", "speedup",
+         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)"],
+        [[r["op"], r["ep"], r["local_experts"], r["tokens"], r["rows"]] for r in grouped],
+        [_status(r) or [
+            _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
+            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f"),
+            _fmt(r, "xla", "pct_dense", ".1f"),
+            (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
+             if r["small"] else "")] for r in grouped])
+    lines.append("")
+    mlp = result["mlp"]
+    lines += _table(
+        ["op", "tp", "D", "F", "tokens", "kernel us", "XLA us", "speedup", "kernel % dense"],
+        [["situ_mlp_up", r["tp"], r["D"], r["F"], r["tokens"]] for r in mlp],
+        [_status(r) or [
+            _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
+            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f")]
+         for r in mlp])
     return "\n".join(lines) + "\n"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes, xla vs interpret backends: runs on the CPU in seconds")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true",
+                      help="tiny shapes, xla vs interpret backends: runs on the CPU in seconds")
+    mode.add_argument("--lower-only", action="store_true",
+                      help="lower every kernel config of the sweep for sm_90 and stop "
+                           "(no GPU needed; a pre-flight check before a GPU run)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a BENCHMARKS.md snippet")
-    p.add_argument("--iters", type=int, default=None,
+    p.add_argument("--iters", type=_positive_int, default=None,
                    help="timing samples per measurement (default 10, smoke 1)")
-    p.add_argument("--ep", type=int, nargs="+", help="EP sizes to sweep (default 8 16 32)")
-    p.add_argument("--tokens", type=int, nargs="+", help="grouped token counts to sweep")
-    p.add_argument("--tp", type=int, nargs="+", help="MLP tp sizes (F = 6144 / tp)")
-    p.add_argument("--mlp-tokens", type=int, nargs="+", help="MLP token counts to sweep")
+    p.add_argument("--ep", type=_positive_int, nargs="+",
+                   help="EP sizes to sweep (default 8 16 32; must divide the expert count)")
+    p.add_argument("--tokens", type=_positive_int, nargs="+", help="grouped token counts to sweep")
+    p.add_argument("--tp", type=_positive_int, nargs="+",
+                   help="MLP tp sizes (F = 6144 / tp; must divide it)")
+    p.add_argument("--mlp-tokens", type=_positive_int, nargs="+", help="MLP token counts to sweep")
     p.add_argument("--keep-going", action="store_true",
                    help="record a failing/wrong kernel as an error row instead of aborting")
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds after which remaining configs are skipped (default 420)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    plan = build_plan(args)
+    for ep in plan.eps:
+        if plan.num_experts % ep:
+            p.error(f"--ep {ep} does not divide the {plan.num_experts} experts")
+    for tp in plan.tps:
+        if plan.mlp_inter % tp:
+            p.error(f"--tp {tp} does not divide the MLP intermediate size {plan.mlp_inter}")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{flag} {path}: the folder does not exist")
+    return args
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
@@ -403,44 +581,51 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return dataclasses.replace(plan, **{k: tuple(v) for k, v in overrides.items() if v})
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     plan = build_plan(args)
+    if args.lower_only:
+        return 1 if lower_all(plan) else 0
     iters = args.iters or (1 if args.smoke else 10)
     kernel_backend = "interpret" if args.smoke else "pallas"
     if not args.smoke and jax.default_backend() != "gpu":
-        print("error: the full benchmark needs a GPU (use --smoke on the CPU)", file=sys.stderr)
+        print("error: the full benchmark needs a GPU (use --smoke or --lower-only on the CPU)",
+              file=sys.stderr)
         return 2
     start = time.monotonic()
     deadline = start + args.time_budget
     device = jax.devices()[0]
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": getattr(device, "device_kind", str(device)), "platform": device.platform,
-            "jax_version": jax.__version__, "kernel_backend": kernel_backend,
-            "command": " ".join(["python", "benchmarks/gpu_kernels.py", *(argv or sys.argv[1:])]),
+            "gpu": device.device_kind, "platform": device.platform,
+            "jax_version": jax.__version__, "jaxlib_version": _version("jaxlib"),
+            "flax_version": _version("flax"), "kernel_backend": kernel_backend,
+            "command": " ".join(["python", "benchmarks/gpu_kernels.py",
+                                 *(sys.argv[1:] if argv is None else argv)]),
             "smoke": args.smoke, "iters": iters, "top_k": plan.top_k,
             "num_experts": plan.num_experts}
-    print(f"# {meta['gpu']} jax {meta['jax_version']} kernel backend {kernel_backend}")
+    results = Results(meta, args.json, args.markdown)
+    print(f"# {meta['gpu']} jax {meta['jax_version']} jaxlib {meta['jaxlib_version']} "
+          f"flax {meta['flax_version']} kernel backend {kernel_backend}")
     ceilings = measure_ceilings(plan, iters)
+    results.set_ceilings(ceilings)
     print(f"# ceilings: matmul {ceilings['matmul_tflops']:.1f} TFLOP/s, "
           f"copy {ceilings['copy_tbps']:.3f} TB/s")
     try:
-        grouped = grouped_rows(plan, kernel_backend, ceilings, iters, deadline, print,
-                               args.keep_going)
-        mlp = mlp_rows(plan, kernel_backend, ceilings, iters, deadline, print, args.keep_going)
+        run_grouped(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
+        run_mlp(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
     except KernelMismatch as e:
         print(f"ABORT: kernel output is wrong, not timing it: {e}", file=sys.stderr)
         return 3
-    meta["elapsed_s"] = time.monotonic() - start
-    result = {"meta": meta, "ceilings": ceilings, "grouped": grouped, "mlp": mlp}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(to_markdown(result))
-    print(f"# done in {meta['elapsed_s']:.1f} s")
-    return 1 if any("error" in r for r in grouped + mlp) else 0
+    results.finish(time.monotonic() - start)
+    print(f"# done in {results.data['meta']['elapsed_s']:.1f} s")
+    return 1 if any("error" in r for r in results.rows) else 0
 
 
 if __name__ == "__main__":

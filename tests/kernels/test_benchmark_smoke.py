@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +25,7 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     result = json.loads(out_json.read_text())
     assert set(result) == {"meta", "ceilings", "grouped", "mlp"}
     assert {"date", "gpu", "jax_version", "command", "kernel_backend", "iters"} <= set(result["meta"])
-    assert result["meta"]["kernel_backend"] == "interpret"
+    assert result["meta"]["kernel_backend"] == "interpret" and result["meta"]["complete"] is True
     assert result["ceilings"]["matmul_tflops"] > 0 and result["ceilings"]["copy_tbps"] > 0
     assert {r["op"] for r in result["grouped"]} == {"gate_up_situ", "down"}
     for row in result["grouped"] + result["mlp"]:
@@ -40,12 +41,96 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     assert "Ceilings" in markdown and "| gate_up_situ |" in markdown and "| situ_mlp_up |" in markdown
 
 
-def test_benchmark_help(capsys):
+def _import_script():
     sys.path.insert(0, os.path.dirname(_SCRIPT))
     import gpu_kernels
 
+    return gpu_kernels
+
+
+def test_lower_only_covers_every_config_of_the_h200_sweep():
+    """Pre-flight on the CPU: every kernel config the full GPU run compiles
+    (3 EP x 6 token counts x 2 ops + 3 tp x 5 token counts) lowers for sm_90."""
+    proc = subprocess.run([sys.executable, _SCRIPT, "--lower-only"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          cwd=_REPO, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("lowered  ") == 51 and "FAILED" not in proc.stdout
+    assert "# 51 of 51 configs lower for sm_90" in proc.stdout
+    assert "gate_up_situ ep=8 tokens=16384" in proc.stdout
+    assert "situ_mlp_up tp=8 tokens=8" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,culprit", [
+    (["--ep", "5"], "--ep 5"), (["--tp", "7"], "--tp 7"), (["--iters", "0"], "--iters"),
+    (["--tokens", "-16"], "--tokens"), (["--smoke", "--lower-only"], "--lower-only"),
+    (["--json", "/no/such/folder/out.json"], "--json"),
+])
+def test_usage_errors_exit_2_naming_the_flag(argv, culprit, capsys):
+    gpu_kernels = _import_script()
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_kernels.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert culprit in capsys.readouterr().err
+
+
+def _wrong_down_kernel(gpu_kernels, monkeypatch):
+    """Make the check reject the "down" rows, as a wrong kernel would."""
+    real_check = gpu_kernels.check_against_reference
+
+    def check(name, out, ref, valid_rows):
+        if name.startswith("down"):
+            raise gpu_kernels.KernelMismatch(f"{name}: relative error 0.5 > 0.02 (injected)")
+        return real_check(name, out, ref, valid_rows)
+
+    monkeypatch.setattr(gpu_kernels, "check_against_reference", check)
+
+
+def test_wrong_kernel_aborts_and_keeps_the_rows_measured_before(tmp_path, monkeypatch, capsys):
+    gpu_kernels = _import_script()
+    _wrong_down_kernel(gpu_kernels, monkeypatch)
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    code = gpu_kernels.main(["--smoke", "--json", str(out_json), "--markdown", str(out_md)])
+    assert code == 3 and "ABORT" in capsys.readouterr().err
+    partial = json.loads(out_json.read_text())
+    assert partial["meta"]["complete"] is False
+    assert [r["op"] for r in partial["grouped"]] == ["gate_up_situ"] and partial["mlp"] == []
+    assert "incomplete" in out_md.read_text()
+    assert sorted(os.listdir(tmp_path)) == ["b.json", "b.md"]  # no temporary files left
+
+
+def test_keep_going_records_the_wrong_kernel_as_an_error_row(tmp_path, monkeypatch):
+    gpu_kernels = _import_script()
+    _wrong_down_kernel(gpu_kernels, monkeypatch)
+    out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
+    code = gpu_kernels.main(["--smoke", "--keep-going", "--json", str(out_json),
+                             "--markdown", str(out_md)])
+    assert code == 1
+    result = json.loads(out_json.read_text())
+    assert result["meta"]["complete"] is True
+    rows = {r["op"]: r for r in result["grouped"] + result["mlp"]}
+    assert "injected" in rows["down"]["error"]
+    assert "error" not in rows["gate_up_situ"] and "error" not in rows["situ_mlp_up"]
+    assert "| down | 4 | 4 | 24 | 48 | ERROR down ep=4 tokens=24" in out_md.read_text()
+
+
+def test_benchmark_help(capsys):
+    gpu_kernels = _import_script()
     with pytest.raises(SystemExit) as exit_info:
         gpu_kernels.parse_args(["--help"])
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
     assert "--smoke" in usage and "--json" in usage and "--markdown" in usage
+    assert "--lower-only" in usage and "--keep-going" in usage
+
+
+def test_device_run_script_records_the_environment_and_refuses_a_cpu(tmp_path):
+    """benchmarks/h200_device_run.sh: env.txt first, then the benchmark, whose
+    exit status it returns (2 here: the full sweep needs a GPU)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(_REPO, "benchmarks", "h200_device_run.sh")],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    env_txt = (tmp_path / "env.txt").read_text()
+    assert f"jax {jax.__version__}" in env_txt and "devices [Cpu" in env_txt
+    assert "the full benchmark needs a GPU" in (tmp_path / "gpu.log").read_text()
