@@ -9,29 +9,33 @@ Data flows one way: config -> layout -> modules -> kernels.
     y_TD = moe(x_TD)
 """
 
-from k3jax.config import K3, PRESETS, TINY, TINY_GROUPED, K3Config, from_hf_config, preset
-from k3jax.layout import (
-                          DATA,
-                          MESH_AXES,
-                          TENSOR,
-                          Layout,
-                          MlpLayout,
-                          MlpMode,
-                          MoEMode,
-                          ParallelConfig,
-                          abstract_mesh,
-                          make_layout,
-                          make_mesh,
-                          mlp_layout,
-                          padded_moe_intermediate,
-)
-from k3jax.modules import AbstractSource, KimiMLP, KimiMoE, ParamSource, RandomSource, build_layer
-from k3jax.ops import SiTU, rms_norm, route, routed_experts, situ_mlp
+import importlib
 
-__all__ = [
-    "K3", "PRESETS", "TINY", "TINY_GROUPED", "K3Config", "from_hf_config", "preset",
-    "DATA", "MESH_AXES", "TENSOR", "Layout", "MlpLayout", "MlpMode", "MoEMode", "ParallelConfig",
-    "abstract_mesh", "make_layout", "make_mesh", "mlp_layout", "padded_moe_intermediate",
-    "AbstractSource", "KimiMLP", "KimiMoE", "ParamSource", "RandomSource", "build_layer",
-    "SiTU", "rms_norm", "route", "routed_experts", "situ_mlp",
-]
+# Public name -> the submodule that defines it. Imported on first use (PEP 562),
+# so ``import k3jax.config`` or ``import k3jax.reference`` (torch only) does
+# not pay for jax and flax.
+_EXPORTS = {
+    "k3jax.config": ("K3", "PRESETS", "TINY", "TINY_GROUPED", "K3Config", "from_hf_config",
+                     "preset"),
+    "k3jax.layout": ("DATA", "MESH_AXES", "TENSOR", "Layout", "MlpLayout", "MlpMode", "MoEMode",
+                     "ParallelConfig", "abstract_mesh", "make_layout", "make_mesh", "mlp_layout",
+                     "padded_moe_intermediate"),
+    "k3jax.modules": ("AbstractSource", "KimiMLP", "KimiMoE", "ParamSource", "RandomSource",
+                      "build_layer"),
+    "k3jax.ops": ("SiTU", "rms_norm", "route", "routed_experts", "situ_mlp"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+

@@ -324,3 +324,20 @@ def test_load_layer_errors(tmp_path):
         load_layer_from_safetensors(tmp_path, 1, cfg.replace(moe_intermediate_size=32))
     with pytest.raises(FileNotFoundError):
         load_layer_from_safetensors(tmp_path / "nowhere", 1, cfg)
+
+
+def test_reference_and_config_import_without_jax():
+    """The torch reference is independent of the JAX code: importing it (or
+    k3jax.config) loads neither jax nor flax; the package's public names load
+    their submodule on first use."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, k3jax.reference, k3jax.config; "
+             "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'eager import'; "
+             "import k3jax; from k3jax import *; "
+             "missing = [n for n in k3jax.__all__ if n not in dir()]; assert not missing, missing; "
+             "assert 'jax' in sys.modules; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
