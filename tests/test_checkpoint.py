@@ -526,3 +526,29 @@ def test_make_synthetic_checkpoint_is_loadable_and_deterministic(tmp_path):
     check_layer(ra, cfg, tensors, 1, T=3)
     with pytest.raises(FileExistsError):
         make_synthetic_checkpoint(tmp_path / "a", cfg, seed=7)
+
+
+def test_fingerprint_sees_values_not_only_names(small, tmp_path):
+    """Equal for byte-identical copies; different when tensor values differ
+    (another seed, same names and sizes) or a byte flips in a sampled window."""
+    from k3jax.checkpoint.reader import FINGERPRINT_WINDOW
+
+    first, second = small(), small()
+    assert CheckpointReader(first).fingerprint() == CheckpointReader(second).fingerprint()
+    cfg = TINY.replace(num_hidden_layers=2)
+    reseeded = tmp_path / "reseeded"
+    write_checkpoint(reseeded, cfg, stored_items(cfg, random_layers(cfg, seed=4))[0])
+    file = "model.safetensors"
+    assert (reseeded / file).stat().st_size == (first / file).stat().st_size
+    assert CheckpointReader(reseeded).fingerprint() != CheckpointReader(first).fingerprint()
+
+    size = (first / file).stat().st_size
+    assert size > 3 * FINGERPRINT_WINDOW
+    for offset in (size // 2, size - 1):          # a tensor byte in the middle / last window
+        data = bytearray((second / file).read_bytes())
+        data[offset] ^= 0x01
+        (second / file).write_bytes(bytes(data))
+        assert CheckpointReader(second).fingerprint() != CheckpointReader(first).fingerprint()
+        data[offset] ^= 0x01
+        (second / file).write_bytes(bytes(data))
+        assert CheckpointReader(second).fingerprint() == CheckpointReader(first).fingerprint()
