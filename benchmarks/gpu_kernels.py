@@ -55,7 +55,7 @@ from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
-CHECK_TOL = 2e-2  # bf16 in / bf16 out vs the XLA reference, max-abs relative
+CHECK_TOL = 1e-2  # bf16 in / bf16 out vs the XLA reference, max-abs relative (bf16 u = 3.9e-3)
 DTYPE = jnp.bfloat16
 
 
@@ -158,10 +158,12 @@ class MlpCase:
 
 
 def grouped_cases(plan: Plan) -> list[GroupedCase]:
-    """Every grouped config of the plan, ordered by EP, then tokens, then op."""
+    """Every grouped config of the plan, ordered by tokens, then EP, then op:
+    a run cut short by --time-budget loses the largest token counts of every
+    EP rather than a whole EP."""
     ops = (("gate_up_situ", plan.latent, plan.inter, 2), ("down", plan.inter, plan.latent, 1))
     return [GroupedCase(op, ep, plan.num_experts // ep, tokens, tokens * plan.top_k, k, n, num_w)
-            for ep in plan.eps for tokens in plan.tokens for op, k, n, num_w in ops]
+            for tokens in plan.tokens for ep in plan.eps for op, k, n, num_w in ops]
 
 
 def mlp_cases(plan: Plan) -> list[MlpCase]:
@@ -366,14 +368,14 @@ def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
 def run_grouped(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
                 results: Results, keep_going: bool) -> None:
     """The grouped MoE sweep: EP x token counts x ops, one row each."""
-    weights_by_ep: dict[int, dict[str, jax.Array]] = {}
+    weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes
     for case in grouped_cases(plan):
         if time.monotonic() > deadline:
             results.add("grouped", {**case.fields(), "skipped": "time budget"})
             print(format_grouped_row(results.data["grouped"][-1]))
             continue
         if case.ep not in weights_by_ep:
-            weights_by_ep = {case.ep: _expert_weights(plan, case)}  # one EP's weights at a time
+            weights_by_ep[case.ep] = _expert_weights(plan, case)
         w = weights_by_ep[case.ep]
         ws = (w["gate"], w["up"]) if case.op == "gate_up_situ" else (w["down"],)
         sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
@@ -618,8 +620,9 @@ def main(argv=None) -> int:
     print(f"# ceilings: matmul {ceilings['matmul_tflops']:.1f} TFLOP/s, "
           f"copy {ceilings['copy_tbps']:.3f} TB/s")
     try:
-        run_grouped(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
+        # The MLP sweep is short: it runs first, so the time budget cannot skip it.
         run_mlp(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
+        run_grouped(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
     except KernelMismatch as e:
         print(f"ABORT: kernel output is wrong, not timing it: {e}", file=sys.stderr)
         return 3

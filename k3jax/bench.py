@@ -223,8 +223,8 @@ def _build(kind: str, cfg: K3Config, parallel: ParallelConfig, mesh, dtype, back
     if layout.shared_mlp.mode is not want:
         raise ValueError(f"the shared expert cannot be {want.value} here: {layout.shared_mlp.reason}")
     if kind == "shared_expert":
-        module = KimiMLP(layout.shared_mlp, SiTU.from_config(cfg), mesh, layout.token_axes,
-                         dtype=dtype, source=RandomSource(seed), backend=backend)
+        module = KimiMLP(layout.shared_mlp, SiTU.from_config(cfg), mesh, dtype=dtype,
+                         source=RandomSource(seed), backend=backend)
     else:
         assert layout.moe_mode is MoEMode.EP
         first_moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))

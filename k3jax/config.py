@@ -48,6 +48,10 @@ class K3Config:
                         "num_expert_group", "topk_group", "routed_expert_hidden_size",
                         "num_hidden_layers", "moe_layer_freq",
                         "min_moe_intermediate_per_partition")
+        fkd = self.first_k_dense_replace
+        if not isinstance(fkd, int) or isinstance(fkd, bool) or not 0 <= fkd <= self.num_hidden_layers:
+            raise ValueError(f"K3Config.first_k_dense_replace must be an integer in "
+                             f"[0, num_hidden_layers={self.num_hidden_layers}], got {fkd!r}")
         if self.moe_router_activation_func != "sigmoid":
             raise ValueError("K3Config.moe_router_activation_func: only 'sigmoid' is "
                              f"supported, got {self.moe_router_activation_func!r}")
@@ -129,6 +133,7 @@ def _check_number(cfg: K3Config, *names: str, allow_zero: bool = False) -> None:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(K3Config)}
 _INT_FIELDS = {name for name, f in _FIELDS.items() if f.type == "int"}
+_ABSENT_MEANS_UNSET = ("activation_situ_linear_beta",)
 
 
 def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
@@ -136,7 +141,9 @@ def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
     checkpoint directory holding one. Accepts the flat kimi_linear keys and the
     form nested under ``text_config``. Unknown keys are ignored; absent keys
     take the K3 defaults (``min_moe_intermediate_per_partition`` is absent in
-    K3's own file)."""
+    K3's own file), except ``activation_situ_linear_beta``: absent means unset
+    (None, ``up' = up``, SPEC 2), as it does for the HF model; K3's file sets
+    it to 25.0, and the ``K3`` preset keeps 25.0."""
     if isinstance(source, Mapping):
         raw = dict(source)
         origin = "config dict"
@@ -156,7 +163,7 @@ def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
         raise ValueError(f"{origin}: expected a JSON object")
     if isinstance(raw.get("text_config"), Mapping):
         raw = dict(raw["text_config"])
-    values = {}
+    values: dict[str, Any] = dict.fromkeys(_ABSENT_MEANS_UNSET)
     for name, value in raw.items():
         if name not in _FIELDS:
             continue

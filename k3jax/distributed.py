@@ -116,7 +116,8 @@ def spec_from_args(coordinator: str | None, num_processes: int | None, process_i
                    environ: Mapping[str, str] = os.environ) -> ProcessSpec | None:
     """The multi-process set-up from flags, falling back to the environment;
     None for a single-process run. Raises ValueError (a usage error) on an
-    incomplete or inconsistent set-up."""
+    incomplete or inconsistent set-up, or a bad $K3JAX_HEARTBEAT_TIMEOUT /
+    $K3JAX_INIT_TIMEOUT."""
     from_flags = any(v is not None for v in (coordinator, num_processes, process_id))
     if num_processes is None:
         num_processes = _env_int(environ, ENV_NUM_PROCESSES)
@@ -143,11 +144,13 @@ def spec_from_args(coordinator: str | None, num_processes: int | None, process_i
     host, sep, port = coordinator.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--coordinator-address must be HOST:PORT, got {coordinator!r}")
+    heartbeat_timeout_s(environ)   # a bad timeout is a usage error now, not in the worker
+    init_timeout_s(environ)
     return ProcessSpec(coordinator, num_processes, process_id)
 
 
-def _timeout_env(name: str, default: int) -> int:
-    value = _env_int(os.environ, name)
+def _timeout_env(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = _env_int(environ, name)
     if value is None:
         return default
     if value < 1:
@@ -155,12 +158,12 @@ def _timeout_env(name: str, default: int) -> int:
     return value
 
 
-def heartbeat_timeout_s() -> int:
-    return _timeout_env(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
+def heartbeat_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
+    return _timeout_env(environ, ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
 
 
-def init_timeout_s() -> int:
-    return _timeout_env(ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
+def init_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
+    return _timeout_env(environ, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT_S)
 
 
 # -- inside a worker ------------------------------------------------------------------
@@ -172,11 +175,11 @@ def initialize(spec: ProcessSpec) -> None:
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_preemption_service", False)  # unused; noisy when a peer dies
-    init_s = init_timeout_s()
+    init_s, heartbeat_s = init_timeout_s(), heartbeat_timeout_s()
     try:
         jax.distributed.initialize(spec.coordinator, num_processes=spec.num_processes,
                                    process_id=spec.process_id, initialization_timeout=init_s,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s())
+                                   heartbeat_timeout_seconds=heartbeat_s)
     except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(f"process {spec.process_id} of {spec.num_processes} could not join "
@@ -292,6 +295,8 @@ def _child_main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         abandon(130)
+    except SystemExit:       # abandon()'s own exit, with the worker's code
+        raise
     except BaseException:  # noqa: BLE001 - a bug: report it, and do not hang the peers
         traceback.print_exc()
         abandon(1)

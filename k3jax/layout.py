@@ -28,7 +28,7 @@ import os
 from typing import Sequence
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
@@ -47,8 +47,11 @@ class ParallelConfig:
     """How the block is spread over a (dp, tp) mesh.
 
     shard_shared_expert: opt-in TP sharding of the shared expert and dense MLP
-      under sequence parallelism; None reads ``K3JAX_SHARD_SP_SHARED_EXPERT``
-      (``1`` turns it on; default off).
+      under sequence parallelism. Resolved once, at construction, to a bool:
+      None reads ``K3JAX_SHARD_SP_SHARED_EXPERT`` (``1`` on; ``0``, empty or
+      unset off) under sequence parallelism, the only place the gate consults
+      it; a malformed value raises there. Without sequence parallelism None
+      resolves to False without reading the variable (it cannot matter).
     pad_under_ep: reproduce vLLM's pre-fix behaviour (padding applied under EP).
       For side-by-side comparisons only; the padding is zeros, so outputs agree.
     """
@@ -73,6 +76,12 @@ class ParallelConfig:
                              "sequence_parallel (tokens must be split over every expert axis)")
         if self.pad_under_ep and not self.expert_parallel:
             raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
+        if self.shard_shared_expert is None:
+            object.__setattr__(self, "shard_shared_expert",
+                               self.sequence_parallel and _shard_shared_expert_from_env())
+        elif not isinstance(self.shard_shared_expert, bool):
+            raise ValueError("ParallelConfig.shard_shared_expert must be a bool or None, "
+                             f"got {self.shard_shared_expert!r}")
 
     @property
     def num_devices(self) -> int:
@@ -84,14 +93,15 @@ class ParallelConfig:
         return self.num_devices if self.expert_parallel else 1
 
     @property
-    def shard_shared_expert_requested(self) -> bool:
-        """The opt-in, resolved: the explicit bool, else the environment variable."""
-        if self.shard_shared_expert is not None:
-            return self.shard_shared_expert
-        raw = os.environ.get(SHARD_SHARED_EXPERT_ENV, "0").strip()
-        if raw not in ("", "0", "1"):
-            raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
-        return raw == "1"
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes the token rows are split over: (DATA, TENSOR) under
+        sequence parallelism, else (DATA,)."""
+        return MESH_AXES if self.sequence_parallel else (DATA,)
+
+    @property
+    def row_shards(self) -> int:
+        """How many blocks the token rows are cut into (T is padded to a multiple)."""
+        return self.num_devices if self.sequence_parallel else self.dp
 
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}"]
@@ -99,11 +109,25 @@ class ParallelConfig:
             parts.append("sequence-parallel")
         if self.expert_parallel:
             parts.append(f"expert-parallel (ep={self.ep})")
-        if self.shard_shared_expert_requested:
+        if self.shard_shared_expert:
             parts.append("shard-shared-expert requested")
         if self.pad_under_ep:
             parts.append("pad-under-ep (pre-fix behaviour)")
         return ", ".join(parts)
+
+
+def _shard_shared_expert_from_env() -> bool:
+    raw = os.environ.get(SHARD_SHARED_EXPERT_ENV, "0").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def check_mesh(mesh: Mesh | AbstractMesh, parallel: ParallelConfig, who: str) -> None:
+    """Raise ValueError unless ``mesh`` is the (dp, tp) mesh ``parallel`` describes."""
+    if tuple(mesh.axis_names) != MESH_AXES or tuple(mesh.axis_sizes) != (parallel.dp, parallel.tp):
+        raise ValueError(f"{who}: mesh {dict(mesh.shape)} does not match the layout "
+                         f"({parallel.describe()})")
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -146,12 +170,16 @@ class MlpMode(enum.Enum):
 class MlpLayout:
     """Placement of one SiTU-GLU MLP (the dense layer-0 MLP or the shared expert).
 
+    parallel: the mesh it runs on; token rows are split over
+      ``parallel.token_axes`` (so an SP-sharded MLP always sees rows split
+      over TENSOR, and a TP one rows replicated over TENSOR).
     weight_axes: the mesh axes that split the intermediate F ((): replicated).
     gate_DF / up_DF / down_FD: the weights' PartitionSpecs.
     reason: why this mode was chosen (printed by the CLI).
     """
 
     mode: MlpMode
+    parallel: ParallelConfig
     hidden: int
     intermediate: int
     weight_axes: tuple[str, ...]
@@ -192,29 +220,33 @@ def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpL
     """
     tp = parallel.tp
     if parallel.sequence_parallel:
-        if not parallel.shard_shared_expert_requested:
-            return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+        if not parallel.shard_shared_expert:
+            return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
                              "sequence parallel, sharding not requested (opt-in)")
         if intermediate % tp or hidden % tp:
-            return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+            return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
                              f"sharding requested but hidden {hidden} / intermediate "
                              f"{intermediate} is not divisible by tp={tp}")
-        return MlpLayout(MlpMode.SP_SHARDED, hidden, intermediate, (TENSOR,),
+        return MlpLayout(MlpMode.SP_SHARDED, parallel, hidden, intermediate, (TENSOR,),
                          f"sequence parallel, sharded over tp={tp}")
     if tp == 1:
-        return MlpLayout(MlpMode.REPLICATED, hidden, intermediate, (),
+        return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
                          "no tensor parallelism" + (" (sharding needs sequence parallel)"
-                                                    if parallel.shard_shared_expert_requested else ""))
+                                                    if parallel.shard_shared_expert else ""))
     if intermediate % tp:
         raise ValueError(f"tensor parallel MLP: intermediate size {intermediate} is not "
                          f"divisible by tp={tp}")
-    return MlpLayout(MlpMode.TP, hidden, intermediate, (TENSOR,),
+    return MlpLayout(MlpMode.TP, parallel, hidden, intermediate, (TENSOR,),
                      f"tensor parallel over tp={tp}")
 
 
 def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: int) -> int:
     """SPEC 5: the routed-expert intermediate after padding, for ``shards``
-    devices splitting each expert's intermediate (1 under EP)."""
+    devices splitting each expert's intermediate (1 under EP). Each shard takes
+    ``intermediate // shards`` real columns, so ``shards`` must divide it."""
+    if intermediate % shards:
+        raise ValueError(f"moe_intermediate_size {intermediate} is not divisible by the "
+                         f"{shards} devices splitting each expert's intermediate")
     if shards > 1 and intermediate // shards < min_per_partition:
         return min_per_partition * shards
     return intermediate
@@ -227,6 +259,20 @@ class MoEMode(enum.Enum):
     LOCAL = "local"
     TP = "tensor-parallel"
     EP = "expert-parallel"
+
+
+class Dispatch(enum.Enum):
+    """How the routed experts meet the token rows.
+
+    OWN_ROWS     each device routes its own rows; they are all-gathered over
+                 ``Layout.dispatch_axes`` (none: LOCAL) and the float32 routed
+                 latent reduce-scattered back (LOCAL, TP under SP, EP).
+    ALL_REDUCE   plain TP: rows replicated over TENSOR; the routed latent and
+                 the shared expert's partial sums are all-reduced together.
+    """
+
+    OWN_ROWS = "own-rows"
+    ALL_REDUCE = "all-reduce"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,12 +293,11 @@ class Layout:
     # -- token rows --------------------------------------------------------
     @property
     def token_axes(self) -> tuple[str, ...]:
-        return MESH_AXES if self.parallel.sequence_parallel else (DATA,)
+        return self.parallel.token_axes
 
     @property
     def row_shards(self) -> int:
-        """How many blocks the token rows are cut into (T is padded to a multiple)."""
-        return self.parallel.num_devices if self.parallel.sequence_parallel else self.parallel.dp
+        return self.parallel.row_shards
 
     @property
     def x_TD(self) -> P:
@@ -295,13 +340,21 @@ class Layout:
         return specs
 
     @property
+    def dispatch(self) -> Dispatch:
+        """Which per-device MoE body runs (modules.moe and the planner read this)."""
+        if self.moe_mode is MoEMode.TP and not self.parallel.sequence_parallel:
+            return Dispatch.ALL_REDUCE
+        return Dispatch.OWN_ROWS
+
+    @property
     def dispatch_axes(self) -> tuple[str, ...]:
         """Axes over which token rows are all-gathered before the routed experts
         and their latent reduce-scattered after: every axis under EP, TENSOR
         for a tensor-parallel MoE under SP, none otherwise (plain TP holds all
-        rows already and all-reduces instead)."""
+        rows already and all-reduces instead; EP on one device has nobody to
+        exchange with, and XLA would keep the no-op collectives)."""
         if self.moe_mode is MoEMode.EP:
-            return self.expert_axes
+            return self.expert_axes if self.parallel.ep > 1 else ()
         if self.moe_mode is MoEMode.TP and self.parallel.sequence_parallel:
             return (TENSOR,)
         return ()
@@ -330,6 +383,7 @@ class Layout:
                  f"routed experts: {self.moe_mode.value}, {self.local_experts} per device, "
                  f"intermediate {self.cfg.moe_intermediate_size} -> padded "
                  f"{self.padded_moe_intermediate} over {self.expert_shards} shard(s)",
+                 f"routed dispatch: {self.dispatch.value}",
                  f"shared expert may overlap routed work: {self.shared_overlaps_routed}"]
         return "\n".join(lines)
 
@@ -347,9 +401,6 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
     elif parallel.tp > 1:
         moe_mode = MoEMode.TP
         shards = padding_shards = parallel.tp
-        if cfg.moe_intermediate_size % shards:
-            raise ValueError(f"tensor parallel MoE: moe_intermediate_size "
-                             f"{cfg.moe_intermediate_size} is not divisible by tp={shards}")
     else:
         moe_mode = MoEMode.LOCAL
         shards = padding_shards = 1
@@ -361,11 +412,6 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
                   moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded)
 
 
-def shard_shape(mesh: Mesh | AbstractMesh, spec: P, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The per-device block of an array of ``shape`` placed with ``spec``."""
-    return NamedSharding(mesh, spec).shard_shape(tuple(shape))
-
-
 def padded_rows(num_tokens: int, row_shards: int) -> int:
     """T rounded up to a multiple of the row blocks (SPEC 4: L = ceil(T / shards))."""
     return math.ceil(num_tokens / row_shards) * row_shards
@@ -373,4 +419,4 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
-           "abstract_mesh", "shard_shape", "padded_rows"]
+           "abstract_mesh", "padded_rows", "Dispatch", "check_mesh"]

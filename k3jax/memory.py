@@ -13,15 +13,21 @@ import numpy as np
 from flax import nnx
 
 
-def param_shard_bytes(module: nnx.Module) -> dict[str, int]:
-    """{"shared.gate_DF": bytes, ...}: one device's share of each parameter.
-    Works on real arrays and on ShapeDtypeStructs that carry a sharding."""
+def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{"shared.gate_DF": (one device's shard shape, dtype), ...}. Works on real
+    arrays and on ShapeDtypeStructs that carry a sharding."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         value = var.get_value()
-        shape = value.sharding.shard_shape(tuple(value.shape))
-        out[".".join(map(str, path))] = math.prod(shape) * np.dtype(value.dtype).itemsize
+        out[".".join(map(str, path))] = (tuple(value.sharding.shard_shape(tuple(value.shape))),
+                                         np.dtype(value.dtype))
     return out
+
+
+def param_shard_bytes(module: nnx.Module) -> dict[str, int]:
+    """{"shared.gate_DF": bytes, ...}: one device's share of each parameter."""
+    return {name: math.prod(shape) * dtype.itemsize
+            for name, (shape, dtype) in param_shard_shapes(module).items()}
 
 
 def addressable_bytes_per_device(module: nnx.Module) -> dict[jax.Device, int]:

@@ -13,7 +13,7 @@ Dtypes default to the published checkpoint: routed experts MXFP4
 everything else BF16, the router bias float32 (as the modules store it).
 
 The collectives are read off the same ``Layout`` the modules dispatch on
-(``moe_mode``, ``dispatch_axes``, ``shared_mlp.mode``), with the dtypes the
+(``dispatch``, ``dispatch_axes``, ``shared_mlp.mode``), with the dtypes the
 bodies in ``k3jax.modules.moe`` / ``mlp`` exchange. ``bytes`` of a collective
 is the full buffer each device holds (all-gather: its output, reduce-scatter:
 its input, all-reduce: the reduced array), the NCCL "size" convention.
@@ -33,20 +33,19 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.layout import (
     TENSOR,
+    Dispatch,
     Layout,
     MlpMode,
-    MoEMode,
     ParallelConfig,
     abstract_mesh,
     make_layout,
     padded_rows,
 )
-from k3jax.memory import param_shard_bytes
+from k3jax.memory import param_shard_bytes, param_shard_shapes
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS, ExpertStorage
 
@@ -83,15 +82,6 @@ def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype
                        dtype=jnp.dtype(dtype), backend="xla", experts=experts)
 
 
-def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
-    """{param path: one device's shard shape} (real or abstract arrays)."""
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        value = var.get_value()
-        out[".".join(map(str, path))] = tuple(value.sharding.shard_shape(tuple(value.shape)))
-    return out
-
-
 def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
                       dtype: str = "bfloat16", expert_dtype: str = "mxfp4") -> dict[str, int]:
     """{param path: per-device bytes} of layer ``layer``: routed experts in
@@ -108,7 +98,7 @@ def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
     if cfg.is_moe_layer(layer) and not mxfp4:
         itemsize = np.dtype(jnp.dtype(expert_dtype)).itemsize
         shapes = param_shard_shapes(module)
-        out.update({name: math.prod(shapes[name]) * itemsize for name in DENSE_EXPERT_PARAMS})
+        out.update({name: math.prod(shapes[name][0]) * itemsize for name in DENSE_EXPERT_PARAMS})
     return out
 
 
@@ -181,12 +171,14 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
     """The collectives one KimiMoE forward issues for ``tokens`` global tokens,
     in program order, as the bodies in k3jax.modules.moe / mlp issue them:
 
-    moe_rows_local (LOCAL, TP under SP, EP): all-gather over ``dispatch_axes``
-      of the latent rows (activation dtype), the top-k ids (int32) and weights
-      (float32); reduce-scatter of the float32 routed latent; an SP-sharded
-      shared expert adds an all-gather of its D-wide rows and a float32
-      reduce-scatter over TENSOR.
-    moe_tp_local (plain TP): one float32 all-reduce of [rows, L + D] over TENSOR.
+    Dispatch.OWN_ROWS (moe_rows_local: LOCAL, TP under SP, EP): all-gather over
+      ``dispatch_axes`` of the latent rows (activation dtype), the top-k ids
+      (int32) and weights (float32); reduce-scatter of the float32 routed
+      latent; an SP-sharded shared expert adds an all-gather of its D-wide rows
+      (activation dtype) and a float32 reduce-scatter over TENSOR.
+    Dispatch.ALL_REDUCE (moe_tp_local, plain TP): one float32 all-reduce of
+      [rows, L + D] over TENSOR.
+    EP on one device has no ``dispatch_axes``, so it issues (and lists) none.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -196,7 +188,7 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
     local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
     act = str(jnp.dtype(act_dtype))
     out: list[Collective] = []
-    if layout.moe_mode is MoEMode.TP and not layout.dispatch_axes:
+    if layout.dispatch is Dispatch.ALL_REDUCE:
         out.append(Collective("all-reduce", (TENSOR,), par.tp,
                               "routed latent + shared-expert partial sums",
                               (local_rows, L + D), "float32"))
@@ -214,7 +206,7 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
         rows = local_rows * par.tp
         out += [Collective("all-gather", (TENSOR,), par.tp, "shared-expert input rows", (rows, D), act),
                 Collective("reduce-scatter", (TENSOR,), par.tp, "shared-expert partial sums",
-                           (rows, D), act)]
+                           (rows, D), "float32")]
     elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
         raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
     return out
@@ -260,7 +252,7 @@ class Plan:
             "source": self.source,
             "parallel": {"dp": par.dp, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
                          "expert_parallel": par.expert_parallel, "ep": par.ep,
-                         "shard_shared_expert": par.shard_shared_expert_requested,
+                         "shard_shared_expert": par.shard_shared_expert,
                          "pad_under_ep": par.pad_under_ep},
             "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
                        "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,
@@ -322,5 +314,5 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
 
 __all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
            "moe_collectives", "abstract_layer",
-           "param_shard_shapes", "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
+           "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
            "EXPERT_DTYPES"]

@@ -45,7 +45,8 @@ def test_smoke_json_and_plot(eight_devices, tmp_path, capsys):
         assert bench["ratio"] == pytest.approx(expected)
         assert bench["crossover_tokens"] in (None, 8, 32)
         assert bench["crossover_tokens"] == crossover_tokens([8, 32], bench["ratio"])
-        assert all(0 <= d < 1e-4 for d in bench["max_rel_diff"])    # layouts agree (float32)
+        # the two layouts agree in float32 (measured <= 4.5e-7)
+        assert len(bench["max_rel_diff"]) == 2 and all(0 <= d < 1e-5 for d in bench["max_rel_diff"])
 
     data = out_png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 
 from k3jax.checkpoint import (
     CheckpointError,
@@ -552,3 +554,107 @@ def test_fingerprint_sees_values_not_only_names(small, tmp_path):
         data[offset] ^= 0x01
         (second / file).write_bytes(bytes(data))
         assert CheckpointReader(second).fingerprint() == CheckpointReader(first).fingerprint()
+
+
+@pytest.mark.parametrize("suffix, value", [("gate.weight", np.nan), ("experts.5.w3.weight", np.inf),
+                                           ("gate.e_score_correction_bias", -np.inf)])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_nan_or_inf_weights_are_named(small, suffix, value, dtype):
+    name = MOE + suffix
+
+    def poison(items):
+        out = []
+        for n, a in items:
+            if n == name:
+                a = a.astype(dtype if a.ndim == 2 else np.float32)   # the bias stays float32
+                a[(3,) * a.ndim] = value
+            out.append((n, a))
+        return out
+    d = small(poison)
+    index = [3] * (1 if "bias" in suffix else 2)
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {name} holds NaN or inf "
+                                                        f"(the first at index {index})")):
+        load_layer(d, 1, backend="xla")
+
+
+def test_nan_found_in_a_sharded_block_names_the_global_index(small, eight_devices):
+    name = MOE + "shared_experts.gate_proj.weight"     # stored [128, 96]; tp=8 reads row slices
+
+    def poison(items):
+        out = [(n, a.copy()) for n, a in items]
+        dict(out)[name][50, 3] = np.nan
+        return out
+    d = small(poison)
+    with pytest.raises(CheckpointError, match=re.escape(f"{name} holds NaN or inf (the first at "
+                                                        f"index [50, 3])")):
+        load_layer(d, 1, ParallelConfig(tp=8), backend="xla")
+
+
+@pytest.mark.parametrize("suffix", ["experts.15.w2.weight", "shared_experts.down_proj.weight"])
+def test_every_header_is_checked_before_any_data_is_read(small, monkeypatch, suffix):
+    """A tensor missing late in the layer (the last expert, the shared expert,
+    read after the routed experts) fails before a single byte of data is read."""
+    name = MOE + suffix
+    d = small(drop(name))
+    reads = []
+    real_read = CheckpointReader.read
+    monkeypatch.setattr(CheckpointReader, "read",
+                        lambda self, *a, **k: reads.append(a[0]) or real_read(self, *a, **k))
+    with pytest.raises(CheckpointError, match=f"missing tensor {re.escape(name)}"):
+        load_layer(d, 1, backend="xla")
+    assert reads == []
+
+
+def test_progress_counts_the_bytes_read(small, monkeypatch, eight_devices):
+    """The bar's total is the bytes of this process's distinct blocks, and
+    every block read advances it by its size."""
+    import tqdm
+
+    bars = []
+
+    class Recording:
+        def __init__(self, total, unit, **kwargs):
+            self.total, self.unit, self.seen = total, unit, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            self.seen += n
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    d = small()
+    module = load_layer(d, 1, ParallelConfig(tp=8), backend="xla", progress=True)
+    (bar,) = bars
+    assert bar.unit == "B" and bar.seen == bar.total
+    # tp=8: the MoE's replicated parameters once, the rest in eight distinct slices
+    total = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param)))
+    assert bar.total == total
+
+
+def test_written_checkpoints_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        make_synthetic_checkpoint(tmp_path / "c", TINY.replace(num_hidden_layers=2), num_files=2)
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o755
+    for file in (tmp_path / "c").iterdir():
+        assert file.stat().st_mode & 0o777 == 0o644, file
+
+
+def test_more_files_than_tensors_is_refused(tmp_path):
+    from k3jax.checkpoint.writer import synthetic_tensor_count, synthetic_tensors
+
+    cfg = TINY.replace(num_hidden_layers=2)
+    for experts in ("dense", "mxfp4"):
+        assert synthetic_tensor_count(cfg, experts) == sum(
+            1 for _ in synthetic_tensors(cfg, 0, experts=experts))
+    count = synthetic_tensor_count(cfg)
+    with pytest.raises(ValueError, match=f"num_files {count + 1} exceeds the number of tensors"):
+        make_synthetic_checkpoint(tmp_path / "c", cfg, num_files=count + 1)
+    assert os.listdir(tmp_path) == []

@@ -2,7 +2,7 @@
 
 The forward is compiled with abstract weights (AbstractSource: nothing is
 allocated) and x_TD [64, D] already placed as the layout places token rows, so
-only the layer's own collectives appear. ``pytest -s`` prints the table.
+only the layer's own collectives appear.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from k3jax import TINY, MlpMode, MoEMode, make_layout
-from layout_cases import COLLECTIVES, LAYOUTS, compiled_hlo, count_collectives
+from layout_cases import LAYOUTS, compiled_hlo, count_collectives
 
 T = 64                      # divides every layout's row blocks
 LAYERS = {"dense": 0, "moe": 1}
@@ -31,10 +31,22 @@ def counts(name: str, layer: str) -> Counter:
 
 
 def replica_axes(hlo_text: str) -> list[tuple[str, str]]:
-    """[(opcode, "{'tensor'}")...]: the mesh axes each collective runs over."""
+    """[(opcode, "{'tensor'}")...]: the mesh axes each collective runs over.
+
+    Fails unless every collective of the text was parsed (a collective printed
+    with another replica_groups syntax would otherwise be silently dropped)."""
     found = re.findall(r"\s((?:all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
                        r"(?:-start)?)\(.*?replica_groups=mesh\[[^\]]*\]\s*(\{[^}]*\})", hlo_text)
-    return found
+    total = sum(count_collectives(hlo_text).values())
+    assert len(found) == total == opcode_occurrences(hlo_text), (found, total)
+    return [(op.removesuffix("-start"), group) for op, group in found]
+
+
+def opcode_occurrences(hlo_text: str) -> int:
+    """Crude count of collective opcodes ("all-gather(" ...) in the text: an
+    independent check on count_collectives's line parser."""
+    return len(re.findall(r"\s(?:all-gather|reduce-scatter|all-reduce|all-to-all|"
+                          r"collective-permute)(?:-start)?\(", hlo_text))
 
 
 # -- the counter itself ---------------------------------------------------------------
@@ -68,6 +80,7 @@ def test_dense_mlp_collectives_match_its_layout(eight_devices, name):
     mlp = make_layout(TINY, LAYOUTS[name]).dense_mlp
     got = counts(name, "dense")
     assert got == Counter(mlp.collectives), f"{name} ({mlp.mode.value}): {dict(got)}"
+    assert sum(got.values()) == opcode_occurrences(hlo(name, "dense"))
     if mlp.mode is MlpMode.SP_SHARDED:
         assert got == Counter({AG: 1, RS: 1}) and got[AR] == 0
     elif mlp.mode is MlpMode.REPLICATED:
@@ -83,30 +96,60 @@ def test_sp_sharded_mlp_collectives_run_over_the_tensor_axis_only(eight_devices)
     assert all(group == "{'tensor'}" for _, group in axes), axes
 
 
-# -- MoE: the robust facts ---------------------------------------------------------------
+# -- MoE: exactly the collectives the design issues -----------------------------------
+# Rows dispatched over ``dispatch_axes`` (SP or EP): 3 all-gathers (latent rows,
+# top-k ids, top-k weights) and 1 reduce-scatter (the routed latent's partial
+# sums). An SP-sharded shared expert adds exactly 1 all-gather (its input rows)
+# and 1 reduce-scatter (its partial sums) over TENSOR. Plain TP: the routed latent
+# and the shared partial share ONE all-reduce. LOCAL: none.
+DISPATCH = Counter({AG: 3, RS: 1})
+SHARDED_SHARED = Counter({AG: 1, RS: 1})
+MOE_EXPECTED = {
+    "single": Counter(),
+    "dp8": Counter(),
+    "tp8": Counter({AR: 1}),
+    "dp2_tp4": Counter({AR: 1}),
+    "sp_tp8_repl": DISPATCH,
+    "sp_tp8_shard": DISPATCH + SHARDED_SHARED,
+    "sp_dp2_tp4_shard": DISPATCH + SHARDED_SHARED,
+    "sp_ep_tp8_repl": DISPATCH,
+    "sp_ep_tp8_shard": DISPATCH + SHARDED_SHARED,
+    "sp_ep_dp2_tp4_shard": DISPATCH + SHARDED_SHARED,
+    "ep_dp8": DISPATCH,
+}
+
+
+def test_moe_expectations_cover_every_layout():
+    assert set(MOE_EXPECTED) == set(LAYOUTS)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_collectives(eight_devices, name):
     layout = make_layout(TINY, LAYOUTS[name])
     got = counts(name, "moe")
+    assert got == MOE_EXPECTED[name], f"{name}: {dict(got)}"
+    assert sum(got.values()) == opcode_occurrences(hlo(name, "moe"))
+    # the expectation follows from the layout's modes (not just from the name)
     if layout.moe_mode is MoEMode.LOCAL:
-        assert sum(got.values()) == 0, dict(got)
-    elif layout.moe_mode is MoEMode.EP or layout.parallel.sequence_parallel:
-        # rows (and routing) gathered over dispatch_axes, routed latent reduce-scattered
-        assert got[AG] >= 1 and got[RS] >= 1 and got[AR] == 0, dict(got)
+        assert not got
+    elif layout.dispatch_axes:
+        shared = SHARDED_SHARED if layout.shared_mlp.mode is MlpMode.SP_SHARDED else Counter()
+        assert got == DISPATCH + shared
+        assert layout.shared_mlp.mode in (MlpMode.SP_SHARDED, MlpMode.REPLICATED)
     else:
-        # plain TP: the routed latent and the shared partial share ONE all-reduce
-        # (which is why Layout.shared_overlaps_routed is False there)
-        assert got == Counter({AR: 1}), dict(got)
+        assert got == Counter({AR: 1}) and layout.moe_mode is MoEMode.TP
         assert layout.shared_overlaps_routed is False
-    assert got["all-to-all"] == 0 and got["collective-permute"] == 0
 
 
 @pytest.mark.parametrize("replicated, sharded", [("sp_tp8_repl", "sp_tp8_shard"),
                                                  ("sp_ep_tp8_repl", "sp_ep_tp8_shard")])
 def test_sharding_the_shared_expert_adds_one_gather_and_one_scatter(eight_devices, replicated,
                                                                     sharded):
-    assert counts(sharded, "moe") - counts(replicated, "moe") == Counter({AG: 1, RS: 1})
-    assert counts(replicated, "moe") - counts(sharded, "moe") == Counter()
+    assert counts(replicated, "moe") == DISPATCH, dict(counts(replicated, "moe"))
+    assert counts(sharded, "moe") == DISPATCH + Counter({AG: 1, RS: 1}), dict(counts(sharded, "moe"))
+    # ... and the added pair runs over the tensor axis only
+    added = Counter(replica_axes(hlo(sharded, "moe"))) - Counter(replica_axes(hlo(replicated, "moe")))
+    assert added == Counter({(AG, "{'tensor'}"): 1, (RS, "{'tensor'}"): 1}), added
 
 
 def test_ep_collectives_span_both_mesh_axes(eight_devices):
@@ -118,16 +161,3 @@ def test_ep_collectives_span_both_mesh_axes(eight_devices):
     assert len(both) + len(tensor) == len(axes), axes
     assert RS in both and AG in both
     assert sorted(tensor) == [AG, RS]
-
-
-def test_print_collective_table(eight_devices):
-    """The observed counts of every layout (pytest -s shows them)."""
-    header = f"{'layout':<22}{'layer':<7}" + "".join(f"{c:>20}" for c in COLLECTIVES)
-    lines = [f"\ncompiled HLO collectives, TINY, T={T}", header]
-    for name in LAYOUTS:
-        for layer in LAYERS:
-            got = counts(name, layer)
-            assert set(got) <= set(COLLECTIVES)
-            lines.append(f"{name:<22}{layer:<7}" + "".join(f"{got[c]:>20}" for c in COLLECTIVES))
-    print("\n".join(lines))
-    assert len(lines) == 2 + 2 * len(LAYOUTS)

@@ -67,9 +67,18 @@ def test_from_hf_config_flat_dict_and_round_trip():
     assert from_hf_config(K3_VALUES) == K3
     assert from_hf_config(TINY.to_hf_dict()) == TINY
     assert from_hf_config(TINY_GROUPED.to_hf_dict()) == TINY_GROUPED
-    # Unknown keys are ignored; absent keys take K3's values.
+    # Unknown keys are ignored; absent keys take K3's values, but an absent
+    # activation_situ_linear_beta is unset (SPEC 2: up' = up).
     cfg = from_hf_config({"hidden_size": 256, "vocab_size": 99, "rope_theta": 1e6})
-    assert cfg == K3.replace(hidden_size=256)
+    assert cfg == K3.replace(hidden_size=256, activation_situ_linear_beta=None)
+
+
+def test_absent_linear_beta_is_unset_but_k3_keeps_25():
+    assert K3.activation_situ_linear_beta == 25.0
+    assert from_hf_config(K3_PUBLISHED).activation_situ_linear_beta == 25.0
+    without = {k: v for k, v in K3_VALUES.items() if k != "activation_situ_linear_beta"}
+    assert from_hf_config(without) == K3.replace(activation_situ_linear_beta=None)
+    assert from_hf_config({**K3_VALUES, "activation_situ_linear_beta": None}) == from_hf_config(without)
 
 
 def test_from_hf_config_nested_text_config_from_dir_and_file(tmp_path):
@@ -114,6 +123,8 @@ def test_from_hf_config_file_errors(tmp_path):
     ("rms_norm_eps", -1e-5), ("rms_norm_eps", None), ("routed_scaling_factor", 0.0),
     ("routed_scaling_factor", float("inf")), ("moe_renormalize", "false"),
     ("latent_moe_use_norm", 1), ("moe_router_activation_func", "softmax"), ("hidden_act", "silu"),
+    ("first_k_dense_replace", -3), ("first_k_dense_replace", 1.5), ("first_k_dense_replace", 500),
+    ("first_k_dense_replace", True), ("first_k_dense_replace", None),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"config dict: K3Config.{field}"):
@@ -144,3 +155,12 @@ def test_is_moe_layer():
             TINY.is_moe_layer(bad)
     with pytest.raises(ValueError, match="layer 93 is out of range: the model has 93 layers"):
         K3.is_moe_layer(93)
+
+
+def test_first_k_dense_replace_range():
+    """0..num_hidden_layers: all MoE, and all dense, are both allowed."""
+    assert TINY.replace(first_k_dense_replace=0).num_moe_layers == 3
+    assert TINY.replace(first_k_dense_replace=3).num_moe_layers == 0
+    with pytest.raises(ValueError, match=r"K3Config.first_k_dense_replace must be an integer in "
+                                         r"\[0, num_hidden_layers=3\], got 4"):
+        TINY.replace(first_k_dense_replace=4)

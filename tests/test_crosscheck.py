@@ -130,4 +130,4 @@ def test_moe_bfloat16_parameters(checkpoints, name):
     want32 = torch_forward(theirs, x)
     assert rel_err(want32, np_moe(x, layers[1], cfg)) < 1e-5
     err = rel_err(got, want32)
-    assert 1e-5 < err < 2e-2     # bf16 rounding is visible, and small
+    assert 1e-5 < err < 1e-2, err     # bf16 rounding is visible, and small (measured ~4.0e-3)

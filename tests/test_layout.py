@@ -25,7 +25,8 @@ from k3jax import (
     mlp_layout,
     padded_moe_intermediate,
 )
-from k3jax.layout import SHARD_SHARED_EXPERT_ENV
+from k3jax.layout import SHARD_SHARED_EXPERT_ENV, Dispatch
+from k3jax.modules.params import Padding
 
 H, SHARED_I, DENSE_I = 7168, 6144, 33792       # K3 hidden, shared expert (2 x 3072), dense MLP
 ENV = SHARD_SHARED_EXPERT_ENV
@@ -111,7 +112,7 @@ def test_env_fallback(monkeypatch, env, explicit, shards):
     if env is not None:
         monkeypatch.setenv(ENV, env)
     par = sp(8, explicit)
-    assert par.shard_shared_expert_requested is shards
+    assert par.shard_shared_expert is shards
     assert (mlp_layout(par, H, SHARED_I).mode is MlpMode.SP_SHARDED) is shards
     assert (make_layout(K3, par).shared_mlp.mode is MlpMode.SP_SHARDED) is shards
 
@@ -121,6 +122,37 @@ def test_env_bad_value_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv(ENV, bad)
     with pytest.raises(ValueError, match=rf"{ENV} must be 0 or 1, got '{bad}'"):
         mlp_layout(sp(8, None), H, SHARED_I)
+
+
+def test_env_is_read_once_at_construction(monkeypatch):
+    """The opt-in is decided when the ParallelConfig is built: a later change
+    of the variable moves neither the layout nor its description."""
+    monkeypatch.setenv(ENV, "1")
+    par = sp(8, None)
+    monkeypatch.setenv(ENV, "0")
+    layout = make_layout(K3, par)
+    assert par.shard_shared_expert is True and layout.shared_mlp.mode is MlpMode.SP_SHARDED
+    assert "shard-shared-expert requested" in par.describe()
+    monkeypatch.setenv(ENV, "bad")
+    assert make_layout(K3, par).shared_mlp.mode is MlpMode.SP_SHARDED   # not re-read
+
+
+@pytest.mark.parametrize("par", [dict(), dict(tp=8), dict(dp=8, expert_parallel=True)],
+                         ids=["single", "tp8", "ep_dp8"])
+def test_env_is_not_read_without_sp(monkeypatch, par):
+    """Without sequence parallelism the opt-in cannot matter: even a malformed
+    value is not read, and None resolves to False."""
+    monkeypatch.setenv(ENV, "yes")
+    parallel = ParallelConfig(**par)
+    assert parallel.shard_shared_expert is False
+    assert "shard-shared-expert" not in make_layout(TINY, parallel).describe()
+
+
+@pytest.mark.parametrize("bad", [1, "1", 0.0])
+def test_shard_shared_expert_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match=rf"ParallelConfig.shard_shared_expert must be a bool "
+                                         rf"or None, got {bad!r}"):
+        sp(8, bad)
 
 
 # -- one gate for the dense MLP and the shared expert --------------------------
@@ -180,7 +212,8 @@ def test_parallel_config_validation(kwargs, culprit):
 def test_plain_tp_rejects_sizes_it_cannot_split():
     with pytest.raises(ValueError, match=r"intermediate size 6144 is not divisible by tp=5"):
         mlp_layout(ParallelConfig(tp=5), H, SHARED_I)
-    with pytest.raises(ValueError, match=r"moe_intermediate_size 3072 is not divisible by tp=5"):
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 3072 is not divisible by the 5 "
+                                         r"devices splitting each expert's intermediate"):
         make_layout(K3, ParallelConfig(tp=5))
     with pytest.raises(ValueError, match=r"intermediate size 33796 is not divisible by tp=8"):
         make_layout(K3.replace(intermediate_size=DENSE_I + 4), ParallelConfig(tp=8))
@@ -190,6 +223,19 @@ def test_plain_tp_rejects_sizes_it_cannot_split():
 @pytest.mark.parametrize("shards, padded", [(1, 3072), (8, 3072), (16, 4096), (32, 8192)])
 def test_padded_moe_intermediate_spec_cases(shards, padded):
     assert padded_moe_intermediate(3072, shards, 256) == padded
+
+
+def test_padding_needs_the_shards_to_divide_the_intermediate():
+    """3000 / 16 = 187.5: a per-shard width would silently drop columns."""
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 3000 is not divisible by the 16 "):
+        padded_moe_intermediate(3000, 16, 256)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 3000 .* by the 16 devices"):
+        make_layout(K3.replace(moe_intermediate_size=3000),
+                    sp(8, False, dp=2, expert_parallel=True, pad_under_ep=True))
+    with pytest.raises(ValueError, match=r"Padding: 3000 real entries do not split into 16 equal "
+                                         r"blocks \(axis 2\)"):
+        Padding(2, 16, 3000)
+    assert padded_moe_intermediate(3008, 16, 256) == 4096 and Padding(2, 16, 3008).real == 3008
 
 
 @pytest.mark.parametrize("tp, padded", [(8, 3072), (16, 4096), (32, 8192)])
@@ -256,6 +302,9 @@ def test_layout_properties(name):
     assert layout.x_TD == P(token_axes, None)
     assert layout.expert_axes == expert_axes
     assert layout.dispatch_axes == dispatch_axes
+    plain_tp = moe_mode is MoEMode.TP and not par.sequence_parallel
+    assert layout.dispatch is (Dispatch.ALL_REDUCE if plain_tp else Dispatch.OWN_ROWS)
+    assert (layout.dispatch is Dispatch.ALL_REDUCE) is (shared_mode is MlpMode.TP)
     assert layout.local_experts == (16 // par.num_devices if moe_mode is MoEMode.EP else 16)
     assert layout.shared_overlaps_routed is overlaps
 

@@ -3,8 +3,8 @@ simulated devices: the dense layer-0 KimiMLP and the layer-1 KimiMoE, built
 from RandomSource(SEED) (the same logical weights in every layout).
 
 fp32: max |err| / max |ref| < 1e-5. bf16: layout vs single-device bf16 < 1e-2,
-and both vs fp32 < 2e-2. T = 5 does not divide tp, T = 1 leaves seven of eight
-SP row blocks pure padding.
+and both vs fp32 < 1e-2 (measured max 6.3e-3, MoE under tp8 / sp_tp8_shard).
+T = 5 does not divide tp, T = 1 leaves seven of eight SP row blocks pure padding.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from layout_cases import (
 )
 from reference_np import np_mlp, np_moe
 
-FP32_TOL, BF16_VS_BF16_TOL, BF16_VS_FP32_TOL = 1e-5, 1e-2, 2e-2
+FP32_TOL, BF16_VS_BF16_TOL, BF16_VS_FP32_TOL = 1e-5, 1e-2, 1e-2
 LAYERS = {"dense": DENSE_LAYER, "moe": MOE_LAYER}
 # Layouts also run at T = 1 and T = 64, and in bf16: one of each family.
 SUBSET = ["tp8", "sp_tp8_shard", "sp_ep_dp2_tp4_shard", "ep_dp8"]
-BF16_SUBSET = ["tp8", "sp_tp8_shard", "sp_ep_dp2_tp4_shard"]
+BF16_SUBSET = SUBSET  # one layout of each family, ep_dp8 included
 
 
 def _check_finite(y, what):
@@ -89,7 +89,7 @@ def test_layout_matches_single_device_fp32(eight_devices, name, layer, T):
     assert err < FP32_TOL, f"{name} {layer} T={T}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["dp2_tp4", "sp_ep_tp8_shard"])
+@pytest.mark.parametrize("name", ["dp2_tp4", "sp_ep_tp8_shard", "sp_ep_dp2_tp4_shard"])
 def test_grouped_topk_layouts_match_single_device(eight_devices, name):
     """TINY_GROUPED (4 groups, keep 2): grouped routing is per row, so every
     layout must select the same experts."""

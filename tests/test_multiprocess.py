@@ -247,3 +247,28 @@ def test_environment_fallbacks():
     assert distributed.spec_from_args(None, None, None, {"JAX_COORDINATOR_ADDRESS": "h:1"}) is None
     with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer"):
         distributed.spec_from_args(None, None, None, {**env, "JAX_PROCESS_ID": "one"})
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("K3JAX_HEARTBEAT_TIMEOUT", "abc", "$K3JAX_HEARTBEAT_TIMEOUT must be an integer, got 'abc'"),
+    ("K3JAX_INIT_TIMEOUT", "0", "$K3JAX_INIT_TIMEOUT must be a positive number of seconds, got 0"),
+])
+def test_bad_timeouts_are_usage_errors_before_the_worker_starts(name, value, message, capsys,
+                                                                monkeypatch):
+    for var in DIST_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "supervise", lambda *a: pytest.fail("the worker started"))
+    flags = ["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"]
+    assert cli_main(["run", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_worker_exit_code_passes_through_the_child():
+    """abandon(2) in a worker (a usage error) leaves the child with exit code 2
+    and no traceback."""
+    p = subprocess.run([sys.executable, "-c", "from k3jax.distributed import _child_main; "
+                        "_child_main()", "k3jax.distributed:abandon", "2"],
+                       capture_output=True, text=True, timeout=120, env=base_env())
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr

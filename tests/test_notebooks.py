@@ -34,6 +34,8 @@ NOTEBOOKS = {
     "03_torch_crosscheck.ipynb",
 }
 CELL_TIMEOUT_S = 300
+# Relative-error bar (max |err| / max |ref|) for the notebooks' float64-referenced rows.
+BAR = {"float32": 1e-5, "bfloat16": 1e-2, "mxfp4": 1e-5}
 GiB = 2**30
 
 
@@ -120,7 +122,7 @@ def test_01_shared_expert_sequence_parallel(executed):
     assert len(s["measured_ratio"]) == 7 and all(math.isfinite(r) and r > 0 for r in s["measured_ratio"])
     assert s["measured_crossover"] is None or s["measured_crossover"] in s["tokens"]
     assert s["model_crossover"] is not None and 8 < s["model_crossover"] < 2048
-    assert 0 <= s["max_rel_diff"] < 1e-4
+    assert 0 <= s["max_rel_diff"] < 1e-5    # float32 layouts agree (measured 9.8e-7)
 
 
 def test_02_moe_padding_and_ep(executed):
@@ -146,9 +148,14 @@ def test_03_torch_crosscheck(executed):
     assert len(layouts) >= 11
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16", "mxfp4"}
     tolerance = s["tolerance"]
-    assert tolerance["float32"] <= 1e-5 and tolerance["bfloat16"] <= 2e-2
+    assert set(tolerance) == set(BAR) and tolerance["float32"] <= 1e-5
+    # Checked against the project's bar here, whatever the notebook declares
+    # (its own bfloat16 tolerance is 2e-2). Measured max: float32 6.3e-7,
+    # bfloat16 6.4e-3, mxfp4 5.2e-7.
     for r in rows:
-        assert math.isfinite(r["rel_err"]) and r["rel_err"] < tolerance[r["dtype"]], r
+        assert math.isfinite(r["rel_err"]) and r["rel_err"] < BAR[r["dtype"]], r
+        if r["dtype"] == "bfloat16":
+            assert r["rel_err"] > 1e-5, r           # the bf16 run really rounds to bf16
     for layout in layouts:      # every layout, in every dtype, for the MoE layer
         assert {r["dtype"] for r in rows if r["layout"] == layout and r["layer"] == 1} == set(tolerance)
 

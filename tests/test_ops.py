@@ -55,11 +55,26 @@ def test_route_matches_numpy(name, num_tokens):
     got_ids, got_w = by_id(np.asarray(ids), np.asarray(w))
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_allclose(got_w, want_w, rtol=0, atol=1e-6)
-    total = want_w.sum(1)
+    total = got_w.sum(1)
     if cfg.moe_renormalize:
         np.testing.assert_allclose(total, cfg.routed_scaling_factor, rtol=1e-6)
     else:   # raw sigmoid scores: sums differ from token to token
         assert np.all(total < cfg.num_experts_per_token * cfg.routed_scaling_factor)
+
+
+def test_route_rejects_mismatched_router_and_bias():
+    cfg = TINY
+    D, E = cfg.hidden_size, cfg.num_experts
+    x_TD = jnp.ones((3, D))
+    with pytest.raises(ValueError, match=rf"route: router_DE must be \[D, E\] = \[{D}, {E}\] .* "
+                                         rf"got \[{E}, {D}\]"):
+        route(x_TD, jnp.ones((E, D)), jnp.zeros(E), cfg)      # transposed: [E, D]
+    with pytest.raises(ValueError, match=rf"router_DE .* got \[{D}, {E - 1}\]"):
+        route(x_TD, jnp.ones((D, E - 1)), jnp.zeros(E), cfg)
+    with pytest.raises(ValueError, match=rf"route: bias_E must be \[E\] = \[{E}\] .* got \[1\]"):
+        route(x_TD, jnp.ones((D, E)), jnp.zeros(1), cfg)
+    with pytest.raises(ValueError, match=r"route: valid_T must be \[T\] = \[3\], got \[4\]"):
+        route(x_TD, jnp.ones((D, E)), jnp.zeros(E), cfg, jnp.ones(4, bool))
 
 
 def test_route_bias_selects_but_does_not_weight():
@@ -113,9 +128,19 @@ def test_rms_norm(dtype, tol):
         w_rounded = np.asarray(jnp.asarray(w_L, dtype), np.float64)
         assert rel_err(got, np_rms_norm(x_rounded, w_rounded, eps)) < tol
     assert rel_err(np_rms_norm(x_TL, w_L, 10.0), np_rms_norm(x_TL, w_L, 1e-5)) > 0.1
-    got32 = rms_norm(jnp.asarray(x_TL, jnp.bfloat16), jnp.asarray(w_L, jnp.bfloat16), 1e-5,
-                     out_dtype=jnp.float32)
-    assert got32.dtype == jnp.float32
+    x16, w16 = jnp.asarray(x_TL, jnp.bfloat16), jnp.asarray(w_L, jnp.bfloat16)
+    got32 = rms_norm(x16, w16, 1e-5, out_dtype=jnp.float32)
+    assert got32.dtype == jnp.float32       # bf16 in, float32 math and output: fp32 accuracy
+    want32 = np_rms_norm(np.asarray(x16, np.float64), np.asarray(w16, np.float64), 1e-5)
+    assert rel_err(got32, want32) < 1e-6
+
+
+def test_rms_norm_rejects_a_weight_of_the_wrong_shape():
+    x_TL = jnp.ones((5, 64))
+    for bad in ((1,), (63,), (5, 64)):
+        with pytest.raises(ValueError, match=rf"rms_norm: weight_L must have shape \[64\] .* got "
+                                             rf"\[{', '.join(map(str, bad))}\]"):
+            rms_norm(x_TL, jnp.ones(bad), 1e-5)
 
 
 @pytest.mark.parametrize("linear_beta", [25.0, None, 3.0])
@@ -130,8 +155,10 @@ def test_situ(linear_beta):
     assert rel_err(got, want) < 2e-6
     other = np_situ(gate, up, 4.0, 25.0 if linear_beta is None else None)
     assert rel_err(other, want) > 1e-2
-    got_bf16 = act(jnp.asarray(gate, jnp.bfloat16), jnp.asarray(up, jnp.bfloat16))
-    assert got_bf16.dtype == jnp.bfloat16 and rel_err(got_bf16, want) < 2e-2
+    gate16, up16 = jnp.asarray(gate, jnp.bfloat16), jnp.asarray(up, jnp.bfloat16)
+    got_bf16 = act(gate16, up16)
+    want_bf16 = np_situ(np.asarray(gate16, np.float64), np.asarray(up16, np.float64), 4.0, linear_beta)
+    assert got_bf16.dtype == jnp.bfloat16 and rel_err(got_bf16, want_bf16) < 1e-2
 
 
 def test_situ_from_config():
@@ -186,3 +213,25 @@ def test_routed_experts_matches_loop_and_splits_over_experts():
     h = E // 2
     halves = run(0, w1_ELF[:h], w3_ELF[:h], w2_EFL[:h]) + run(h, w1_ELF[h:], w3_ELF[h:], w2_EFL[h:])
     assert rel_err(halves, want) < 1e-5
+
+
+@pytest.mark.parametrize("what, culprit", [
+    ("lat rows", r"lat_TL has 5 rows but ids_TK has 4"),
+    ("weights shape", r"weights_TK shape \[4, 2\] != ids_TK shape \[4, 3\]"),
+    ("w1 latent", r"w1_ELF must be \[E, L=8, F\] \(L from lat_TL\), got \[2, 7, 6\]"),
+    ("w3 shape", r"w3_ELF shape \[2, 8, 5\] != w1_ELF shape \[2, 8, 6\]"),
+    ("w2 shape", r"w2_EFL must be \[E, F, L\] = \[2, 6, 8\] .* got \[2, 8, 6\]"),
+    ("ids 1-D", r"lat_TL and ids_TK must be 2-D, got \[4, 8\] and \[12\]"),
+])
+def test_routed_experts_rejects_mismatched_shapes(what, culprit):
+    """A mismatch would gather out of range (which JAX clamps silently)."""
+    T, K, E, L, F = 4, 3, 2, 8, 6
+    args = {"lat_TL": jnp.ones((T, L)), "ids_TK": jnp.zeros((T, K), jnp.int32),
+            "weights_TK": jnp.ones((T, K)), "w1_ELF": jnp.ones((E, L, F)),
+            "w3_ELF": jnp.ones((E, L, F)), "w2_EFL": jnp.ones((E, F, L))}
+    name, shape = {"lat rows": ("lat_TL", (T + 1, L)), "weights shape": ("weights_TK", (T, K - 1)),
+                   "w1 latent": ("w1_ELF", (E, L - 1, F)), "w3 shape": ("w3_ELF", (E, L, F - 1)),
+                   "w2 shape": ("w2_EFL", (E, L, F)), "ids 1-D": ("ids_TK", (T * K,))}[what]
+    args[name] = jnp.zeros(shape, args[name].dtype)
+    with pytest.raises(ValueError, match=rf"routed_experts: {culprit}"):
+        routed_experts(**args, act=SiTU(4.0, 25.0), backend="xla")

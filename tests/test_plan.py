@@ -27,7 +27,7 @@ from k3jax.plan import (
     moe_collectives,
     plan_layer_bytes,
 )
-from layout_cases import EXTRA_LAYOUTS, LAYOUTS
+from layout_cases import EXTRA_LAYOUTS, LAYOUTS, count_collectives
 
 MOE_LAYERS = 92
 SHARED_PER_LAYER = 7168 * (2 * 6144 + 6144) * 2          # SPEC 6: 264,241,152 B
@@ -263,17 +263,25 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 def hlo_collectives(text: str) -> list[tuple[str, tuple[str, ...], str, tuple[int, ...]]]:
     """(kind, axes, dtype, output shape) of every collective in compiled HLO
     text. A combined (variadic) op contributes one entry per operand, so XLA
-    combining several collectives into one does not change the result."""
+    combining several collectives into one does not change the result.
+    Fails unless every collective instruction of the text was parsed (one
+    printed with another replica_groups syntax would otherwise be dropped)."""
     out = []
+    parsed = 0
     for line in text.splitlines():
         m = _OP.search(line)
         if not m:
             continue
+        parsed += 1
         shapes, kind, axes = m.groups()
         axes = tuple(a.strip().strip("'") for a in axes.split(",") if a.strip())
         for dtype, dims in _ARRAY.findall(shapes):
             out.append((kind, axes, HLO_DTYPES.get(dtype, dtype),
                         tuple(int(d) for d in dims.split(",") if d)))
+    instructions = sum(count_collectives(text).values())
+    opcodes = len(re.findall(r"\s(?:all-gather|reduce-scatter|all-reduce|all-to-all|"
+                             r"collective-permute)(?:-start)?\(", text))
+    assert parsed == instructions == opcodes, (parsed, instructions, opcodes)
     return out
 
 
@@ -289,7 +297,8 @@ def planned_as_hlo(layout, tokens: int, dtype: str):
 
 
 @pytest.mark.parametrize("name", ["tp8", "dp2_tp4", "sp_tp8_repl", "sp_tp8_shard",
-                                  "sp_ep_dp2_tp4_shard", "ep_dp8", "dp8"])
+                                  "sp_dp2_tp4_shard", "sp_ep_tp8_repl", "sp_ep_tp8_shard",
+                                  "sp_ep_dp2_tp4_shard", "sp_ep_dp2_tp4_repl", "ep_dp8", "dp8"])
 def test_collectives_match_compiled_hlo(eight_devices, name):
     """Kinds, mesh axes, dtypes and shapes of the planned collectives equal
     those in the compiled program, for T = 32 global tokens fed in the layout's
@@ -321,6 +330,6 @@ def test_collective_bytes_full_size():
     assert got[("all-gather", "top-k expert ids")] == (("data", "tensor"), 1024 * 16 * 4)
     assert got[("reduce-scatter", "routed latent (partial sums)")] == (("data", "tensor"), 1024 * 3584 * 4)
     assert got[("all-gather", "shared-expert input rows")] == (("tensor",), 512 * 7168 * 2)
-    assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 2)
+    assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 4)
     tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8)), 1000, "bfloat16")
     assert [(c.kind, c.axes, c.bytes) for c in tp] == [("all-reduce", ("tensor",), 1000 * (3584 + 7168) * 4)]

@@ -22,7 +22,9 @@ from numerics import rel_err
 from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 CONFIGS = {"tiny": TINY, "tiny_grouped": TINY_GROUPED}
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 4e-2}
+# bf16: inputs and weights bf16-rounded on both sides, torch computing in bf16
+# (measured 3.8e-3..7.1e-3 for the MoE layer over seeds 0..8).
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NP_DTYPE = {torch.float64: np.float64, torch.float32: np.float32}
 
 
@@ -61,8 +63,11 @@ def test_situ_and_rms_norm_match_numpy():
         assert got64.dtype == torch.float64 and rel_err(to_np(got64), want) < 1e-13
         got32 = situ_glu(torch.from_numpy(g).float(), torch.from_numpy(u).float(), 4.0, lb)
         assert got32.dtype == torch.float32 and rel_err(to_np(got32), want) < 1e-6
-        gotbf = situ_glu(torch.from_numpy(g).bfloat16(), torch.from_numpy(u).bfloat16(), 4.0, lb)
-        assert gotbf.dtype == torch.bfloat16 and rel_err(to_np(gotbf), want) < 2e-2
+        gb, ub = torch.from_numpy(g).bfloat16(), torch.from_numpy(u).bfloat16()
+        gotbf = situ_glu(gb, ub, 4.0, lb)       # vs the formula on the bf16-rounded inputs
+        want_bf = np_situ(to_np(gb), to_np(ub), 4.0, lb)
+        assert gotbf.dtype == torch.bfloat16    # measured 2.7e-3 / 3.6e-3
+        assert rel_err(to_np(gotbf), want_bf) < TOL[torch.bfloat16]
     assert rel_err(np_situ(g, u, 4.0, None), np_situ(g, u, 4.0, 25.0)) > 1e-2
     w = 1.0 + 0.1 * rng.standard_normal(40)
     want = np_rms_norm(g, w, 1e-5)

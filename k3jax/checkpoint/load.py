@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.reader import CheckpointReader
-from k3jax.checkpoint.source import CheckpointSource
+from k3jax.checkpoint.source import CheckpointSource, local_blocks
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
-from k3jax.modules import KimiMLP, KimiMoE, build_layer
-from k3jax.modules.moe import ExpertStorage, moe_decls
-from k3jax.modules.params import ParamDecl, ParamSource
+from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
+from k3jax.modules.moe import ExpertStorage
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
+
+
+class LayoutError(ValueError):
+    """The layer cannot be laid out as asked (the ParallelConfig, or packed
+    MXFP4 experts on this layout): the caller's choice, not a checkpoint
+    problem. ``packed_mxfp4``: loading the experts dequantized would avoid it."""
+
+    def __init__(self, message: str, packed_mxfp4: bool = False):
+        super().__init__(message)
+        self.packed_mxfp4 = packed_mxfp4
 
 
 def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
@@ -25,37 +37,38 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     """Layer ``layer`` (0 = dense MLP, >= 1 = MoE for K3) of a checkpoint
     directory, each device's shard read straight from the files.
 
-    MXFP4 routed experts stay packed in device memory (``mxfp4="packed"``,
-    0.53125 B per parameter, dequantized in the forward) or are dequantized
-    to ``dtype`` on load (``"dequantize"``). ``progress`` shows a bar on a
-    terminal's stderr, one step per parameter."""
+    Every tensor the layer needs is checked (name, shape, dtype, from the
+    file headers) before any data is read. MXFP4 routed experts stay packed
+    in device memory (``mxfp4="packed"``, 0.53125 B per parameter,
+    dequantized in the forward) or are dequantized to ``dtype`` on load
+    (``"dequantize"``). ``progress`` shows a bar on a terminal's stderr, in
+    bytes read. Raises LayoutError when ``parallel`` (or packed MXFP4) cannot
+    hold the layer, CheckpointError for a checkpoint problem."""
     if mxfp4 not in ("packed", "dequantize"):
         raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     source = CheckpointSource(reader, layer)
-    layout = make_layout(reader.config, parallel)
-    mesh = make_mesh(parallel) if mesh is None else mesh
+    try:
+        layout = make_layout(reader.config, parallel)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
     packed = source.experts_are_mxfp4 and mxfp4 == "packed"
     experts = ExpertStorage.MXFP4 if packed else ExpertStorage.DENSE
+    try:
+        decls = layer_decls(layout, layer, dtype, experts)
+    except ValueError as e:
+        raise LayoutError(str(e), packed_mxfp4=packed) from None
+    source.check(decls)
+    mesh = make_mesh(parallel) if mesh is None else mesh
     if not progress:
         return build_layer(layout, layer, mesh, source=source, dtype=dtype, backend=backend,
                            experts=experts)
     from tqdm import tqdm
-    count = 3 + (len(moe_decls(layout, jnp.dtype(dtype), experts)) if source.is_moe else 0)
-    with tqdm(total=count, desc=f"loading layer {layer}", unit="param", disable=None,
-              leave=False) as bar:
-        return build_layer(layout, layer, mesh, source=_WithProgress(source, bar), dtype=dtype,
-                           backend=backend, experts=experts)
-
-
-class _WithProgress:
-    """A ParamSource that advances ``bar`` after each parameter it fills."""
-
-    def __init__(self, inner: ParamSource, bar):
-        self.inner, self.bar = inner, bar
-
-    def __call__(self, decl: ParamDecl, sharding):
-        self.bar.set_postfix_str(decl.name, refresh=False)
-        value = self.inner(decl, sharding)
-        self.bar.update(1)
-        return value
+    total = sum(math.prod(len(range(*s.indices(n))) for s, n in zip(index, d.shape))
+                * np.dtype(d.dtype).itemsize
+                for d in decls for index, _ in local_blocks(d.shape, NamedSharding(mesh, d.spec)))
+    with tqdm(total=total, desc=f"loading layer {layer}", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=None, leave=False) as bar:
+        source.on_block = bar.update
+        return build_layer(layout, layer, mesh, source=source, dtype=dtype, backend=backend,
+                           experts=experts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -24,6 +24,18 @@ from k3jax.modules.params import ParamDecl
 from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
 
 
+def local_blocks(shape: Sequence[int], sharding: NamedSharding
+                 ) -> list[tuple[tuple[slice, ...], list[jax.Device]]]:
+    """The distinct blocks of ``shape`` that this process's devices hold under
+    ``sharding``: (index, the devices holding it)."""
+    shape = tuple(shape)
+    groups: dict[tuple, tuple[tuple[slice, ...], list[jax.Device]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        groups.setdefault(key, (index, []))[1].append(device)
+    return list(groups.values())
+
+
 def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Array:
     """``jax.make_array_from_callback(shape, sharding, read)``, one block at a time.
 
@@ -33,12 +45,8 @@ def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Arr
     keeps every local block of the parameter on the host until all are read,
     and reads a block once per device when it is replicated over a mesh axis.)"""
     shape = tuple(shape)
-    groups: dict[tuple, tuple[tuple[slice, ...], list[jax.Device]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = tuple(s.indices(n) for s, n in zip(index, shape))
-        groups.setdefault(key, (index, []))[1].append(device)
     arrays = []
-    for index, devices in groups.values():
+    for index, devices in local_blocks(shape, sharding):
         block = read(index)
         placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
         jax.block_until_ready(placed)   # copied to an accelerator before the block is dropped
@@ -49,9 +57,12 @@ def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Arr
 
 
 class CheckpointSource:
-    """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``."""
+    """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``.
 
-    def __init__(self, reader: CheckpointReader, layer: int):
+    ``on_block(nbytes)``, when given, is called after each device block is read."""
+
+    def __init__(self, reader: CheckpointReader, layer: int,
+                 on_block: Callable[[int], None] | None = None):
         """Raises CheckpointError for a layer index out of range."""
         cfg = reader.config
         if not 0 <= layer < cfg.num_hidden_layers:
@@ -62,6 +73,8 @@ class CheckpointSource:
         self.is_moe = cfg.is_moe_layer(layer)
         self.prefix = layer_prefix(layer, self.is_moe)
         self.tensors = layer_tensors(self.is_moe)
+        self.on_block = on_block
+        self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
 
     @property
     def experts_are_mxfp4(self) -> bool:
@@ -71,11 +84,24 @@ class CheckpointSource:
             self.reader.has(mxfp4_names(self.tensors[w].name(self.prefix, e))[0])
             for w in ("w1_ELF", "w3_ELF", "w2_EFL") for e in range(self.reader.config.num_experts))
 
+    def check(self, decls: Sequence[ParamDecl]) -> None:
+        """Validate every stored tensor behind ``decls`` (names, shapes and
+        dtypes, from the file headers) before any tensor data is read."""
+        for decl in decls:
+            self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
+
     def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
         ref = self.tensors[decl.name]
-        stored = self._check(decl, ref)
-        return place_blocks(decl.shape, sharding,
-                            lambda index: self._read_block(decl, ref, stored, index))
+        if decl.name not in self._stored:
+            self._stored[decl.name] = self._check(decl, ref)
+        stored = self._stored[decl.name]
+
+        def read(index):
+            block = self._read_block(decl, ref, stored, index)
+            if self.on_block is not None:
+                self.on_block(block.nbytes)
+            return block
+        return place_blocks(decl.shape, sharding, read)
 
     # -- validation -------------------------------------------------------------
     def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
@@ -156,7 +182,17 @@ class CheckpointSource:
             block = self.reader.read(name, index)
             if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
                 self._validate_scales(name, block)
+            elif block.dtype != np.uint8:
+                self._check_finite(name, block, index)
         return block.T if transpose else block
+
+    def _check_finite(self, name: str, block: np.ndarray, index: list[slice]) -> None:
+        """Reject NaN or inf weights, naming the tensor and the first bad element.
+        (min and max carry NaN and inf through without a temporary array.)"""
+        if block.size and not (np.isfinite(block.min()) and np.isfinite(block.max())):
+            at = [int(i) + s.start for i, s in zip(np.argwhere(~np.isfinite(block))[0], index)]
+            raise CheckpointError(f"tensor {self.reader.full_name(name)} holds NaN or inf "
+                                  f"(the first at index {at})")
 
     def _validate_scales(self, scale_name: str, scales: np.ndarray) -> None:
         try:

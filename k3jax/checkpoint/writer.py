@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import INDEX_FILE
 from k3jax.config import K3Config
+from k3jax.files import usual_mode
 from k3jax.ops.mxfp4 import encode_mxfp4
 
 WeightDtype = Literal["float32", "bfloat16", "float16"]
@@ -67,13 +68,21 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
                     yield name, weight(out, inp)
 
 
+def synthetic_tensor_count(cfg: K3Config, experts: ExpertFormat = "dense") -> int:
+    """How many tensors ``synthetic_tensors(cfg, ..., experts=experts)`` yields."""
+    per_moe = 7 + int(cfg.latent_moe_use_norm) + cfg.num_experts * 3 * (2 if experts == "mxfp4" else 1)
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return moe * per_moe + (cfg.num_hidden_layers - moe) * 3
+
+
 def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
                      num_files: int = 1, language_model_prefix: bool = False,
                      nested_config: bool = False) -> None:
     """Write ``tensors`` ((name, array) pairs) and ``config.json`` to
     ``directory``, split over ``num_files`` files with an index when > 1.
     Everything is written to a temporary folder first and moved into place,
-    so a failure leaves no half-written checkpoint."""
+    so a failure leaves no half-written checkpoint; the files and folder get
+    the usual permissions (0666 / 0777 less the umask)."""
     directory = os.fspath(directory)
     if os.path.exists(directory) and os.listdir(directory):
         raise FileExistsError(f"refusing to write into non-empty directory {directory}")
@@ -85,6 +94,8 @@ def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
     try:
         prefix = LANGUAGE_MODEL_PREFIX if language_model_prefix else ""
         items = [(prefix + name, np.ascontiguousarray(a)) for name, a in tensors]
+        if num_files > len(items):
+            raise ValueError(f"num_files {num_files} exceeds the number of tensors ({len(items)})")
         shards = [items[i::num_files] for i in range(num_files)]
         weight_map = {}
         for i, shard in enumerate(shards):
@@ -100,6 +111,9 @@ def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
             config = {"model_type": "kimi_k3", "text_config": config}
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        for file in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, file), usual_mode(0o666))
+        os.chmod(tmp, usual_mode(0o777))   # mkdtemp made it 0700
         if os.path.exists(directory):
             os.rmdir(directory)
         os.replace(tmp, directory)
@@ -116,4 +130,5 @@ def make_synthetic_checkpoint(directory: str | os.PathLike, cfg: K3Config, seed:
                      num_files=num_files)
 
 
-__all__ = ["synthetic_tensors", "write_checkpoint", "make_synthetic_checkpoint", "layer_tensors"]
+__all__ = ["synthetic_tensors", "synthetic_tensor_count", "write_checkpoint",
+           "make_synthetic_checkpoint", "layer_tensors"]

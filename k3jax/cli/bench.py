@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from k3jax.cli.common import (
     BACKENDS,
     UsageError,
+    check_output,
     config_from_args,
+    non_negative_float,
     non_negative_int,
     positive_int,
     report_errors,
@@ -69,7 +70,7 @@ def add_parser(sub) -> None:
                    "(median reported; default 5 on the CPU, 20 on accelerators)")
     p.add_argument("--warmup", type=non_negative_int, help="untimed calls first "
                    "(at least one always runs, to compile; default 1 on the CPU, 3 on accelerators)")
-    p.add_argument("--min-sample-ms", type=float, default=1.0,
+    p.add_argument("--min-sample-ms", type=non_negative_float, default=1.0,
                    help="each sample repeats the call until it lasts this long (default 1.0)")
     p.add_argument("--devices", type=positive_int,
                    help=f"devices (tensor-axis size); default: every accelerator when there are "
@@ -80,7 +81,7 @@ def add_parser(sub) -> None:
                    help="parameters and activations (auto: float32 on the CPU, bfloat16 otherwise)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="kernel backend")
     p.add_argument("--skip-moe-layer", action="store_true", help="only the shared-expert sweep")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON ('-': stdout, "
                                                       "the table then goes to stderr)")
     p.add_argument("--plot", metavar="OUT.png", help="latency vs tokens plot (PNG)")
@@ -99,9 +100,7 @@ def _check_output(path: str | None, flag: str, suffix: str) -> None:
         raise UsageError(f"{flag} cannot write to stdout")
     if not path.lower().endswith(suffix):
         raise UsageError(f"{flag} {path}: expected a {suffix} file name")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"{flag} directory does not exist: {directory}")
+    check_output(path, flag)
 
 
 def _select_devices(args):
@@ -139,20 +138,18 @@ def _bench(args: argparse.Namespace) -> int:
     _check_output(args.plot, "--plot", ".png")
     if args.devices is not None and args.devices < 2:
         raise UsageError("--devices must be >= 2: sequence parallelism splits tokens over the tensor axis")
-    if args.min_sample_ms < 0:
-        raise UsageError("--min-sample-ms must be >= 0")
     base, source = config_from_args(args)
 
-    try:
-        request_devices(args.devices or DEFAULT_CPU_DEVICES)
-    except RuntimeError:
-        pass    # JAX already started (e.g. called in-process): use the devices it has
+    request_devices(args.devices or DEFAULT_CPU_DEVICES)   # a no-op once JAX has started
     from k3jax.bench import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
     from k3jax.files import atomic_write
 
     devices, simulated = _select_devices(args)
     n = len(devices)
     platform = devices[0].platform
+    if args.backend == "pallas" and platform == "cpu":
+        raise UsageError("--backend pallas needs a Hopper GPU and the sweep runs on CPU devices; "
+                         "use --backend interpret (or xla) instead")
     kind = "cpu" if platform == "cpu" else "accelerator"
     scale = args.scale or (default_cpu_scale(base.hidden_size) if platform == "cpu" else 1)
     experts, top_k = default_experts(base, n, platform)

@@ -4,6 +4,7 @@ dtypes and the kernel backend."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import K3Config, from_hf_config, preset
-from k3jax.files import atomic_write
+from k3jax.files import atomic_write, check_writable
 from k3jax.layout import ParallelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -38,6 +39,29 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "an integer >= 0")
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Before any work: a UsageError naming ``flag`` unless ``path`` can be written."""
+    if path is not None and (why := check_writable(path)):
+        raise UsageError(f"{flag} {path}: {why}")
+
+
+def check_backend(backend: str) -> None:
+    """After JAX has started: --backend pallas needs a GPU (Mosaic GPU kernels)."""
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise UsageError(f"--backend pallas needs a Hopper GPU, and the devices here are "
+                         f"{jax.default_backend()}; use --backend interpret (or xla) instead")
 
 
 def report_errors(work: Callable[[], int], prog: str) -> int:
@@ -79,7 +103,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=positive_int,
-                   help="devices to use; simulated CPU devices when the host has fewer "
+                   help="devices to use; simulated CPU devices on a CPU-only host "
                         "(default: dp * tp)")
 
 
@@ -126,6 +150,15 @@ def pick_devices(count: int) -> list[jax.Device]:
         raise RuntimeError(f"{count} devices requested, {len(devices)} {jax.default_backend()} "
                            f"and {len(cpus)} CPU devices available")
     return cpus[:count]
+
+
+def require_devices(count: int) -> None:
+    """A UsageError naming --devices when an accelerator host has fewer than
+    ``count`` devices: simulated CPU devices stand in on CPU-only hosts only."""
+    backend = jax.default_backend()
+    if backend != "cpu" and jax.device_count() < count:
+        raise UsageError(f"--devices {count}: only {jax.device_count()} {backend} device(s) here "
+                         f"(simulated CPU devices are used on CPU-only hosts only)")
 
 
 def atomic_save_npy(path: str, array) -> None:

@@ -19,11 +19,15 @@ from k3jax.cli.common import (
     add_device_flags,
     add_parallel_flags,
     atomic_save_npy,
+    check_backend,
+    check_output,
+    non_negative_int,
     parallel_from_args,
     pick_devices,
     positive_int,
     report_errors,
     request_devices,
+    require_devices,
 )
 
 DEFAULT_TOKENS = 7
@@ -36,14 +40,15 @@ def add_parser(sub) -> None:
                                    "on [T, hidden] float32 input.")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="checkpoint directory (default: a tiny synthetic K3-shaped checkpoint)")
-    p.add_argument("--layer", type=int, default=None,
+    p.add_argument("--layer", type=non_negative_int, default=None,
                    help="layer index (default 1, the first MoE layer)")
     p.add_argument("--input", metavar="X.npy", help="float32 [T, hidden] (default: random, T=7)")
     p.add_argument("--output", metavar="Y.npy", help="where to write float32 [T, hidden]")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="parameter and activation dtype")
-    p.add_argument("--repeat", type=positive_int, default=1,
-                   help="run the forward R times and report the median time")
+    p.add_argument("--repeat", type=positive_int, metavar="R",
+                   help="after the first forward (which compiles, and is not timed), run it R "
+                        "more times and report their median time")
     p.add_argument("--mxfp4", choices=("packed", "dequantize"), default="packed",
                    help="MXFP4 routed experts: keep packed in device memory (0.53125 B/param, "
                         "dequantized in the forward) or dequantize to --dtype on load")
@@ -99,15 +104,28 @@ def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None)
     """Validate the flags before any JAX set-up; return the devices this process simulates."""
     num_devices = args.devices or ((args.dp or 1) * args.tp)
     parallel_from_args(args, args.devices)
-    writes = spec is None or spec.is_leader   # only process 0 writes the output
-    if writes and args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UsageError(f"--output directory does not exist: {os.path.dirname(args.output)}")
+    if spec is None or spec.is_leader:   # only process 0 writes the output
+        check_output(args.output, "--output")
     if spec is None:
         return num_devices
     if num_devices % spec.num_processes:
         raise UsageError(f"--devices {num_devices} (the global count) is not divisible by "
                          f"--num-processes {spec.num_processes}")
     return num_devices // spec.num_processes
+
+
+def _open(args: argparse.Namespace, path: str):
+    """(reader, config, layer, input) of the run; a UsageError for --layer out of range."""
+    from k3jax.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(path)
+    cfg = reader.config
+    layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+    if layer >= cfg.num_hidden_layers:
+        what = args.checkpoint or "the tiny synthetic checkpoint"
+        raise UsageError(f"--layer {layer} is out of range: {what} has {cfg.num_hidden_layers} "
+                         f"layers (0..{cfg.num_hidden_layers - 1})")
+    return reader, cfg, layer, _load_input(args.input, cfg.hidden_size)
 
 
 def _load_input(path: str | None, hidden: int) -> np.ndarray:
@@ -140,7 +158,10 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
     import jax.numpy as jnp
     from flax import nnx
 
-    from k3jax.checkpoint import CheckpointReader, load_layer, make_synthetic_checkpoint
+    check_backend(args.backend)
+    require_devices(parallel.num_devices)
+
+    from k3jax.checkpoint import LayoutError, load_layer, make_synthetic_checkpoint
     from k3jax.config import TINY
     from k3jax.layout import make_mesh
     from k3jax.memory import format_bytes, param_shard_bytes
@@ -153,28 +174,31 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
         else:
             path = args.checkpoint
         if spec is None:
-            reader = CheckpointReader(path)
-            cfg = reader.config
-            layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
-            x = _load_input(args.input, cfg.hidden_size)
+            reader, cfg, layer, x = _open(args, path)
         else:
             reader, cfg, layer, x = _agree(args, spec, parallel, path)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
-        module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
-                            backend=args.backend, mxfp4=args.mxfp4, progress=True)
+        try:
+            module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
+                                backend=args.backend, mxfp4=args.mxfp4, progress=True)
+        except LayoutError as e:
+            hint = " (--mxfp4 dequantize)" if e.packed_mxfp4 else ""
+            raise UsageError(f"{e}{hint}") from None
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
         x_dev = jnp.asarray(x) if spec is None else distributed.replicated(x, mesh)
+        t0 = time.perf_counter()
+        y = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
+        first = time.perf_counter() - t0
+        if spec is not None:
+            print(f"{spec.tag} first forward done ({first * 1e3:.1f} ms, with compilation)",
+                  flush=True)
         times = []
-        y = None
-        for _ in range(args.repeat):
+        for _ in range(args.repeat or 0):
             t0 = time.perf_counter()
             y = jax.block_until_ready(forward(state, x_dev))
             times.append(time.perf_counter() - t0)
-            if spec is not None and len(times) == 1:
-                print(f"{spec.tag} first forward done ({times[0] * 1e3:.1f} ms, with compilation)",
-                      flush=True)
 
     if spec is None:
         y_host = np.asarray(jax.device_get(y), dtype=np.float32)
@@ -192,14 +216,16 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
     print(f"mesh: {dict(mesh.shape)} on {len(mesh.devices.flat)} {mesh.devices.flat[0].platform} device(s)")
     print(_describe_layout(module, cfg.is_moe_layer(layer)))
     per_param = param_shard_bytes(module)
+    arrays = {".".join(map(str, path)): var.get_value()
+              for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
     for name, value in sorted(per_param.items()):
-        pspec = _spec_of(module, name)
-        print(f"  {name:18s} {str(list(_shape_of(module, name))):18s} {str(pspec):28s} "
+        array = arrays[name]
+        print(f"  {name:18s} {str(list(array.shape)):18s} {str(array.sharding.spec):28s} "
               f"{format_bytes(value)}/device")
     print(f"parameter bytes per device: {sum(per_param.values())} ({format_bytes(sum(per_param.values()))})")
-    if args.repeat > 1:
-        print(f"forward: median {statistics.median(times) * 1e3:.3f} ms over {args.repeat} runs "
-              f"(first, with compilation: {times[0] * 1e3:.1f} ms)")
+    if times:
+        print(f"forward: median {statistics.median(times) * 1e3:.3f} ms over {len(times)} timed "
+              f"runs after the first, compiling one ({first * 1e3:.1f} ms)")
     print(f"output: [{y_host.shape[0]}, {y_host.shape[1]}] float32, mean |y| = "
           f"{float(np.mean(np.abs(y_host))):.6f}")
     if args.output:
@@ -216,17 +242,11 @@ def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, pa
 
     import jax
 
-    from k3jax.checkpoint import CheckpointReader
-
     print(f"{spec.tag} joined the run at {spec.coordinator}: {jax.local_device_count()} of "
           f"{jax.device_count()} {jax.default_backend()} devices here", flush=True)
     items, error, opened = None, None, None
     try:
-        reader = CheckpointReader(path)
-        cfg = reader.config
-        layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
-        x = _load_input(args.input, cfg.hidden_size)
-        opened = reader, cfg, layer, x
+        opened = reader, cfg, layer, x = _open(args, path)
         config_json = json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()
         items = {"jax version": jax.__version__, "devices": str(parallel.num_devices),
                  "layout": parallel.describe(), "layer": str(layer), "dtype": args.dtype,
@@ -235,25 +255,10 @@ def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, pa
                  "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
                  "checkpoint files": reader.fingerprint(),
                  "input": distributed.fingerprint_array(x)}
-    except (ValueError, OSError) as e:
+    except (UsageError, ValueError, OSError) as e:
         error = str(e)
     distributed.check_agreement(spec, items, error)
     return opened
-
-
-def _param(module, name: str):
-    obj = module
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj.get_value()
-
-
-def _shape_of(module, name: str):
-    return _param(module, name).shape
-
-
-def _spec_of(module, name: str):
-    return _param(module, name).sharding.spec
 
 
 def _describe_layout(module, is_moe: bool) -> str:

@@ -1,4 +1,5 @@
-"""build_layer: the module of layer N, dense MLP or MoE, on a mesh."""
+"""The module of layer N, dense MLP or MoE, on a mesh: its parameter
+declarations (layer_decls) and the module itself (build_layer)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,21 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.layout import Layout
-from k3jax.modules.mlp import KimiMLP
-from k3jax.modules.moe import ExpertStorage, KimiMoE
-from k3jax.modules.params import ParamSource
+from k3jax.modules.mlp import KimiMLP, mlp_decls
+from k3jax.modules.moe import SHARED_PREFIX, ExpertStorage, KimiMoE, moe_decls
+from k3jax.modules.params import ParamDecl, ParamSource
 from k3jax.ops import SiTU
 from pallas_kernels.backend import Backend
+
+
+def layer_decls(layout: Layout, layer: int, dtype,
+                experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:
+    """Every parameter declaration of the module build_layer makes for ``layer``
+    (what a checkpoint must hold for it, before any module exists)."""
+    dtype = jnp.dtype(dtype)
+    if not layout.cfg.is_moe_layer(layer):
+        return mlp_decls(layout.dense_mlp, dtype)
+    return moe_decls(layout, dtype, experts) + mlp_decls(layout.shared_mlp, dtype, SHARED_PREFIX)
 
 
 def build_layer(layout: Layout, layer: int, mesh: Mesh | AbstractMesh, *, source: ParamSource,
@@ -21,5 +32,5 @@ def build_layer(layout: Layout, layer: int, mesh: Mesh | AbstractMesh, *, source
     cfg = layout.cfg
     if cfg.is_moe_layer(layer):
         return KimiMoE(layout, mesh, dtype=dtype, source=source, backend=backend, experts=experts)
-    return KimiMLP(layout.dense_mlp, SiTU.from_config(cfg), mesh, layout.token_axes,
-                   dtype=dtype, source=source, backend=backend)
+    return KimiMLP(layout.dense_mlp, SiTU.from_config(cfg), mesh, dtype=dtype, source=source,
+                   backend=backend)

@@ -14,14 +14,15 @@ of w1/w3/w2 a uint8 code array packed along its input axis and a UE8M0 scale
 array, e.g. w1_packed_ELF [E, L/2, F] and w1_scale_ELF [E, L/32, F]; 0.53125 B
 per parameter in device memory, dequantized inside the forward).
 
-Two per-device bodies run inside ``jax.shard_map``:
-    moe_rows_local   each device routes its own rows; rows are all-gathered over
-                     ``Layout.dispatch_axes``, the experts held here run, and the
-                     float32 latent is reduce-scattered back before the RMSNorm.
-                     Covers LOCAL (no axes), TP under SP (TENSOR) and EP (all).
-    moe_tp_local     plain TP: rows replicated over TENSOR, every expert's F
-                     split; the routed latent and the shared expert's partial
-                     sum are all-reduced together in one psum.
+Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch``:
+    moe_rows_local   Dispatch.OWN_ROWS: each device routes its own rows; rows
+                     are all-gathered over ``Layout.dispatch_axes``, the experts
+                     held here run, and the float32 latent is reduce-scattered
+                     back before the RMSNorm. Covers LOCAL (no axes), TP under
+                     SP (TENSOR) and EP (all).
+    moe_tp_local     Dispatch.ALL_REDUCE (plain TP): rows replicated over
+                     TENSOR, every expert's F split; the routed latent and the
+                     shared expert's partial sum are all-reduced in one psum.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.config import K3Config
-from k3jax.layout import MESH_AXES, TENSOR, Layout, MoEMode
+from k3jax.layout import TENSOR, Dispatch, Layout, MlpMode, MoEMode, check_mesh
 from k3jax.modules.mlp import MLP_LOCAL, KimiMLP, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
 from k3jax.ops.matmul import matmul
 from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4
-from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
+from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import Backend
 
 
@@ -55,6 +56,9 @@ class ExpertStorage(enum.Enum):
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
 MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL"))
                             for part in ("packed", "scale"))
+
+
+SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside KimiMoE
 
 
 def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:
@@ -111,9 +115,10 @@ def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     return decls
 
 
-def expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(w1_ELF, w3_ELF, w2_EFL) in ``dtype``: as stored, or dequantized from MXFP4."""
-    if "w1_ELF" in p:
+def expert_weights(p: dict, experts: ExpertStorage, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w1_ELF, w3_ELF, w2_EFL) in ``dtype`` from this device's expert shards
+    ``p``: as stored (DENSE), or dequantized from the packed codes (MXFP4)."""
+    if experts is ExpertStorage.DENSE:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
 
     def unpack(w: str, suffix: str):   # packed along axis 1 -> decode along the last axis
@@ -124,9 +129,15 @@ def expert_weights(p: dict, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     return unpack("w1", "ELF"), unpack("w3", "ELF"), unpack("w2", "EFL")
 
 
-# -- per-device bodies ------------------------------------------------------
+# -- per-device bodies (inside shard_map) --------------------------------------
+# x_TD [T, D]: this device's rows (T = padded rows / Layout.row_shards);
+# valid_T [T]: False on padding rows; p: this device's weight shards (router,
+# latent projections and norm whole; experts [E/ep, L, F/s] etc. per
+# Layout.moe_param_specs; p["shared"] the shared expert's, per its MlpLayout).
+# Each returns y_TD [T, D] in x's dtype: this device's rows of the output.
 def _latent_out(r_TL, p, cfg: K3Config, dtype):
-    """Routed latent (float32, fully reduced) -> RMSNorm -> up-projection."""
+    """Routed latent r_TL [T, L] (float32, fully reduced) -> RMSNorm ->
+    up-projection -> [T, D] in ``dtype``."""
     if cfg.latent_moe_use_norm:
         r = rms_norm(r_TL, p["lat_norm_L"], cfg.rms_norm_eps, out_dtype=dtype)
     else:
@@ -134,8 +145,13 @@ def _latent_out(r_TL, p, cfg: K3Config, dtype):
     return matmul(r, p["lat_up_LD"])
 
 
-def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend):
-    """Own rows in, own rows out; see the module docstring."""
+def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
+                   experts: ExpertStorage):
+    """Dispatch.OWN_ROWS: route own rows; all-gather lat/ids/weights over
+    ``layout.dispatch_axes`` ([T * n, .], n their size); run the experts held
+    here (global ids from ``first_expert`` under EP); reduce-scatter the float32
+    latent back to [T, L]; add the shared expert of own rows (replicated or
+    SP-sharded, which issues its own gather / scatter over TENSOR)."""
     cfg = layout.cfg
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
     lat_TL = matmul(x_TD, p["lat_down_DL"])
@@ -145,7 +161,7 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
         lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
     if layout.moe_mode is MoEMode.EP:
         first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, x_TD.dtype), act,
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
                           first_expert=first_expert, backend=backend)
     if axes:
         r_TL = scatter_rows(r_TL, axes)
@@ -153,12 +169,18 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
     return _latent_out(r_TL, p, cfg, x_TD.dtype) + shared_TD
 
 
-def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend):
-    """Plain TP: one all-reduce over TENSOR for [routed latent | shared partial]."""
+def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
+                 experts: ExpertStorage):
+    """Dispatch.ALL_REDUCE (plain TP): rows replicated over TENSOR, every
+    expert's F split; the float32 routed latent [T, L] and the shared expert's
+    float32 partial [T, D] are summed over TENSOR in one all-reduce of
+    [T, L + D]."""
+    if layout.shared_mlp.mode is not MlpMode.TP:
+        raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
     cfg = layout.cfg
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
     lat_TL = matmul(x_TD, p["lat_down_DL"])
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, x_TD.dtype), act,
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
                           backend=backend)
     shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
     L = r_TL.shape[1]
@@ -166,16 +188,18 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
     return _latent_out(both[:, :L], p, cfg, x_TD.dtype) + both[:, L:].astype(x_TD.dtype)
 
 
+MOE_LOCAL = {Dispatch.OWN_ROWS: moe_rows_local, Dispatch.ALL_REDUCE: moe_tp_local}
+
+
 class KimiMoE(nnx.Module):
-    """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> [T, D]."""
+    """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> y_TD
+    [T, D], split over ``layout.token_axes``. ``mesh`` must be the (dp, tp)
+    mesh of ``layout.parallel``."""
 
     def __init__(self, layout: Layout, mesh: Mesh | AbstractMesh, *, dtype=jnp.float32,
                  source: ParamSource, backend: Backend = "auto",
                  experts: ExpertStorage = ExpertStorage.DENSE):
-        if tuple(mesh.axis_names) != MESH_AXES or tuple(mesh.axis_sizes) != (
-                layout.parallel.dp, layout.parallel.tp):
-            raise ValueError(f"KimiMoE: mesh {dict(mesh.shape)} does not match the layout "
-                             f"({layout.parallel.describe()})")
+        check_mesh(mesh, layout.parallel, "KimiMoE")
         self.layout = layout
         self.cfg = layout.cfg
         self.mesh = mesh
@@ -185,8 +209,8 @@ class KimiMoE(nnx.Module):
         self.experts = experts
         self._decls = moe_decls(layout, self.dtype, experts)
         make_params(self, self._decls, mesh, source)
-        self.shared = KimiMLP(layout.shared_mlp, self.act, mesh, layout.token_axes,
-                              dtype=dtype, source=source, backend=backend, name_prefix="shared.")
+        self.shared = KimiMLP(layout.shared_mlp, self.act, mesh, dtype=dtype, source=source,
+                              backend=backend, name_prefix=SHARED_PREFIX)
 
     def weights(self) -> dict:
         return {**{d.name: getattr(self, d.name)[...] for d in self._decls},
@@ -204,23 +228,12 @@ class KimiMoE(nnx.Module):
 @functools.lru_cache(maxsize=64)
 def moe_forward(layout: Layout, mesh: Mesh, act: SiTU, dtype, backend: Backend,
                 experts: ExpertStorage):
-    """The jitted global forward (x_TD, weights) -> y_TD of one MoE layout:
-    pad rows (padding rows are routed to no expert), place them over the token
-    axes, run the layout's body in shard_map, drop the padding. Cached, so
-    eager calls compile once per shape."""
-    x_spec = layout.x_TD
-    row_spec = jax.sharding.PartitionSpec(layout.token_axes)
+    """The jitted global forward (x_TD, weights) -> y_TD of one MoE layout
+    (``row_sharded_forward`` around the body ``layout.dispatch`` names;
+    padding rows are routed to no expert). Cached, so eager calls compile
+    once per shape."""
     weight_specs = {**{d.name: d.spec for d in moe_decls(layout, dtype, experts)},
                     "shared": layout.shared_mlp.param_specs}
-    body = moe_tp_local if (layout.moe_mode is MoEMode.TP and not layout.dispatch_axes) \
-        else moe_rows_local
-    sharded = jax.shard_map(functools.partial(body, layout=layout, act=act, backend=backend),
-                            mesh=mesh, in_specs=(x_spec, row_spec, weight_specs), out_specs=x_spec)
-
-    @jax.jit
-    def forward(x_TD, weights):
-        x_pad, valid = pad_rows(x_TD.astype(dtype), layout.row_shards)
-        x_pad = jax.lax.with_sharding_constraint(x_pad, NamedSharding(mesh, x_spec))
-        return sharded(x_pad, valid, weights)[:x_TD.shape[0]]
-
-    return forward
+    body = functools.partial(MOE_LOCAL[layout.dispatch], layout=layout, act=act, backend=backend,
+                             experts=experts)
+    return row_sharded_forward(body, mesh, layout.parallel, dtype, weight_specs)

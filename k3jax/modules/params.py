@@ -42,6 +42,11 @@ class Padding:
     blocks: int
     real: int
 
+    def __post_init__(self) -> None:
+        if self.real % self.blocks:
+            raise ValueError(f"Padding: {self.real} real entries do not split into "
+                             f"{self.blocks} equal blocks (axis {self.axis})")
+
     def source_index(self, padded_index: int, size: int) -> int | None:
         """Index into the unpadded tensor for a padded index, None for padding."""
         block = size // self.blocks

@@ -24,6 +24,7 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     Returns the float32 partial sum [T, L] (partial over experts under EP and
     over F under TP; the caller reduces it).
     """
+    _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL)
     T, K = ids_TK.shape
     num_local = w1_ELF.shape[0]
     local_P = ids_TK.reshape(T * K) - first_expert
@@ -36,9 +37,32 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     x_PL = lat_TL[token_P]
     h_PF = grouped_situ_glu(x_PL, w1_ELF, w3_ELF, group_sizes_E, beta=act.beta,
                             linear_beta=act.linear_beta, backend=backend)
+    # The pairs not held here sort past sum(group_sizes_E), where grouped_matmul
+    # returns zero rows: that is their (only) masking.
     y_PL = grouped_matmul(h_PF, w2_EFL, group_sizes_E, backend=backend)
-
-    weight_P = jnp.where(held_P, weights_TK.reshape(T * K), 0.0)[order_P]
-    contrib_PL = jnp.where(held_P[order_P][:, None],
-                           y_PL.astype(jnp.float32) * weight_P[:, None], 0.0)
+    contrib_PL = y_PL.astype(jnp.float32) * weights_TK.reshape(T * K)[order_P][:, None]
     return jnp.zeros((T, lat_TL.shape[1]), jnp.float32).at[token_P].add(contrib_PL)
+
+
+def _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL) -> None:
+    """ValueError naming the first argument whose shape disagrees with the others
+    (a mismatch would otherwise gather out of range, which JAX silently clamps)."""
+    if lat_TL.ndim != 2 or ids_TK.ndim != 2:
+        raise ValueError(f"routed_experts: lat_TL and ids_TK must be 2-D, got "
+                         f"{list(lat_TL.shape)} and {list(ids_TK.shape)}")
+    if lat_TL.shape[0] != ids_TK.shape[0]:
+        raise ValueError(f"routed_experts: lat_TL has {lat_TL.shape[0]} rows but ids_TK has "
+                         f"{ids_TK.shape[0]} ({list(lat_TL.shape)} vs {list(ids_TK.shape)})")
+    if weights_TK.shape != ids_TK.shape:
+        raise ValueError(f"routed_experts: weights_TK shape {list(weights_TK.shape)} != ids_TK "
+                         f"shape {list(ids_TK.shape)}")
+    if w1_ELF.ndim != 3 or w1_ELF.shape[1] != lat_TL.shape[1]:
+        raise ValueError(f"routed_experts: w1_ELF must be [E, L={lat_TL.shape[1]}, F] "
+                         f"(L from lat_TL), got {list(w1_ELF.shape)}")
+    E, L, F = w1_ELF.shape
+    if w3_ELF.shape != w1_ELF.shape:
+        raise ValueError(f"routed_experts: w3_ELF shape {list(w3_ELF.shape)} != w1_ELF shape "
+                         f"{list(w1_ELF.shape)}")
+    if w2_EFL.shape != (E, F, L):
+        raise ValueError(f"routed_experts: w2_EFL must be [E, F, L] = {[E, F, L]} to match "
+                         f"w1_ELF {list(w1_ELF.shape)}, got {list(w2_EFL.shape)}")

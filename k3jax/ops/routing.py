@@ -16,6 +16,16 @@ def route(x_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: K3Confi
     Rows where ``valid_T`` is False (sequence-parallel padding) are routed to
     no expert: their ids are ``num_experts`` (out of range) and weights 0.
     """
+    D, E = x_TD.shape[-1], cfg.num_experts
+    if router_DE.shape != (D, E):
+        raise ValueError(f"route: router_DE must be [D, E] = {[D, E]} (D from x_TD "
+                         f"{list(x_TD.shape)}, E = num_experts), got {list(router_DE.shape)}")
+    if bias_E.shape != (E,):
+        raise ValueError(f"route: bias_E must be [E] = {[E]} (num_experts), "
+                         f"got {list(bias_E.shape)}")
+    if valid_T is not None and valid_T.shape != x_TD.shape[:1]:
+        raise ValueError(f"route: valid_T must be [T] = {list(x_TD.shape[:1])}, "
+                         f"got {list(valid_T.shape)}")
     logits_TE = jnp.dot(x_TD.astype(jnp.float32), router_DE.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     scores_TE = jax.nn.sigmoid(logits_TE)

@@ -30,7 +30,7 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     assert {r["op"] for r in result["grouped"]} == {"gate_up_situ", "down"}
     for row in result["grouped"] + result["mlp"]:
         assert "skipped" not in row and "error" not in row, row
-        assert row["max_rel_err"] <= 2e-2
+        assert row["max_rel_err"] <= 1e-2
         for impl in ("kernel", "xla"):
             assert {"us", "tflops", "pct_dense", "weight_tbps", "pct_copy"} <= set(row[impl])
             assert row[impl]["us"] > 0
@@ -80,7 +80,7 @@ def _wrong_down_kernel(gpu_kernels, monkeypatch):
 
     def check(name, out, ref, valid_rows):
         if name.startswith("down"):
-            raise gpu_kernels.KernelMismatch(f"{name}: relative error 0.5 > 0.02 (injected)")
+            raise gpu_kernels.KernelMismatch(f"{name}: relative error 0.5 > 0.01 (injected)")
         return real_check(name, out, ref, valid_rows)
 
     monkeypatch.setattr(gpu_kernels, "check_against_reference", check)
@@ -94,7 +94,8 @@ def test_wrong_kernel_aborts_and_keeps_the_rows_measured_before(tmp_path, monkey
     assert code == 3 and "ABORT" in capsys.readouterr().err
     partial = json.loads(out_json.read_text())
     assert partial["meta"]["complete"] is False
-    assert [r["op"] for r in partial["grouped"]] == ["gate_up_situ"] and partial["mlp"] == []
+    assert [r["op"] for r in partial["mlp"]] == ["situ_mlp_up"]          # runs first
+    assert [r["op"] for r in partial["grouped"]] == ["gate_up_situ"]      # then "down" aborts
     assert "incomplete" in out_md.read_text()
     assert sorted(os.listdir(tmp_path)) == ["b.json", "b.md"]  # no temporary files left
 

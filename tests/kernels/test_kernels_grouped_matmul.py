@@ -86,12 +86,50 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
     kc.assert_grouped_output(out, ref, sizes, kc.kernel_tol(x.dtype), _case_id(case))
 
 
+# float32 inputs on the prefill tiles (>= 128 rows per group): two bf16 planes per
+# element, so fit_smem shrinks the tiles as at K3 shapes (K = 64 = one full
+# block_k): the fused tile to block_n 64 / 3 stages, the plain one to block_n 128
+# / 2 stages. Sum < M with NaN tail rows; N = 128 spans two fused N-blocks.
+F32_PREFILL_CASES = {
+    "fused": ((300, 64, 128, 2, "sum_lt_m", F32, True), (64, 3)),
+    "plain": ((300, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", list(F32_PREFILL_CASES))
+def test_float32_prefill_tiles_run_in_interpret_mode(kind, monkeypatch):
+    case, (block_n, stages) = F32_PREFILL_CASES[kind]
+    fused = kind == "fused"
+    configs = []
+    make_body = mosaic_sm90._make_body
+
+    def spy(**kwargs):
+        configs.append(kwargs["cfg"])
+        return make_body(**kwargs)
+
+    monkeypatch.setattr(mosaic_sm90, "_make_body", spy)
+    x, ws, sizes = _inputs(case, 2 if fused else 1)
+    if fused:
+        out = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="interpret", **SITU))(
+            x, *ws, jnp.asarray(sizes))
+        ref = kc.np_grouped_situ_glu(x, *ws, sizes)
+    else:
+        out = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(
+            x, *ws, jnp.asarray(sizes))
+        ref = kc.np_grouped_matmul(x, *ws, sizes)
+    prefill = mosaic_sm90.FUSED_PREFILL if fused else mosaic_sm90.PLAIN_PREFILL
+    assert [(c.num_compute_wgs, c.block_m, c.block_k, c.block_n, c.max_concurrent_steps)
+            for c in configs] == [(prefill.num_compute_wgs, 128, 64, block_n, stages)]
+    assert out.dtype == F32
+    kc.assert_grouped_output(out, ref, sizes, kc.TOL_F32_KERNEL, f"{kind} f32 prefill")
+
+
 def test_interpret_race_detector_finds_no_races():
     """GPU interpret mode's happens-before race detector over SMEM/TMA traffic, on
     the prefill tiles (2 consumer warpgroups + the TMA producer, 128-row blocks);
     also covers linear_beta=None, a non-default beta and NaN rows past the sum."""
-    races_mod = pytest.importorskip(
-        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    # A private module: imported plainly so that a JAX upgrade moving it FAILS here.
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as races_mod
     x, (wg, wu), sizes = _inputs((300, 96, 64, 2, "sum_lt_m", BF16, True), 2)
     assert mosaic_sm90.default_config(300, 2, 2) == mosaic_sm90.FUSED_PREFILL
     params = plgpu.InterpretGPUParams(detect_races=True)
@@ -234,12 +272,36 @@ def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
                 S((8,), jnp.int32))
 
 
-def test_backend_dispatch():
+def test_backend_dispatch(monkeypatch):
     assert resolve_backend("xla") == "xla"
     assert resolve_backend("interpret") == "interpret"
     assert resolve_backend("pallas") == "pallas"
     if jax.default_backend() != "gpu":
         assert resolve_backend("auto") == "xla"
+    # Which implementation each backend name really calls (spies; the kernel is not run).
+    calls = []
+    for module, label in ((reference, "xla"), (mosaic_sm90, "mosaic")):
+        for fn in ("grouped_matmul", "grouped_situ_glu"):
+            def spy(*args, _label=label, _fn=fn, _orig=getattr(module, fn), **kwargs):
+                calls.append((_fn, _label, kwargs.get("interpret")))
+                if _label == "xla":
+                    return _orig(*args, **kwargs)
+                return jnp.zeros((args[0].shape[0], args[1].shape[2]), args[0].dtype)
+            monkeypatch.setattr(module, fn, spy)
+    x, (wg, wu), sizes = _inputs((37, 24, 40, 5, "sum_lt_m", F32, False), 2)
+    sizes = jnp.asarray(sizes)
+    auto = {"xla": ("xla", None), "pallas": ("mosaic", False)}[resolve_backend("auto")]
+    for backend, expected in [("auto", auto), ("xla", ("xla", None)),
+                              ("interpret", ("mosaic", True)), ("pallas", ("mosaic", False))]:
+        calls.clear()
+        y = grouped_matmul(x, wg, sizes, backend=backend)
+        h = grouped_situ_glu(x, wg, wu, sizes, backend=backend, **SITU)
+        assert calls == [("grouped_matmul", *expected), ("grouped_situ_glu", *expected)], backend
+        if expected[0] == "xla":  # random inputs: the dispatched result is the reference's
+            kc.assert_grouped_output(y, kc.np_grouped_matmul(x, wg, sizes), sizes, kc.TOL_F32,
+                                     backend)
+            kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, wg, wu, sizes), sizes,
+                                     kc.TOL_F32, backend)
     with pytest.raises(ValueError, match="'triton'"):
         resolve_backend("triton")
     x, (w,), sizes = _inputs((16, 8, 8, 2, "uniform", F32, False), 1)

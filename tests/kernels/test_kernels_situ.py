@@ -26,14 +26,24 @@ def test_situ_glu_matches_float64_formula(linear_beta):
     kc.assert_close(out, kc.np_situ_glu(gate, up, kc.BETA, linear_beta), kc.TOL_F32, "f32")
 
 
+def _ordered(a_bf16) -> np.ndarray:
+    """bf16 values as integers in value order (+0 == -0; neighbours differ by 1)."""
+    bits = np.asarray(a_bf16).view(np.int16).astype(np.int32)
+    return np.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
 def test_situ_glu_bf16_computes_in_f32_and_casts_back():
     kg, ku = jax.random.split(jax.random.key(1))
     gate = kc.normal(kg, (32, 16), jnp.bfloat16, scale=3.0)
     up = kc.normal(ku, (32, 16), jnp.bfloat16, scale=3.0)
     out = situ_glu(gate, up, beta=kc.BETA, linear_beta=kc.LINEAR_BETA)
     assert out.dtype == jnp.bfloat16
-    expected = kc.np_situ_glu(kc.f32(gate), kc.f32(up))
-    np.testing.assert_array_equal(np.asarray(out), expected.astype(jnp.bfloat16))
+    # float64 formula on the same bf16 inputs, then rounded to bf16: an f32
+    # computation may round the other way, so allow at most 1 bf16 ulp per element.
+    expected = kc.np_situ_glu(kc.f32(gate), kc.f32(up)).astype(jnp.bfloat16)
+    ulps = np.abs(_ordered(out) - _ordered(expected))
+    assert ulps.max() <= 1, f"{int(ulps.max())} bf16 ulps"
+    assert np.mean(ulps == 0) > 0.9  # nearly all round identically (measured: all 512)
 
 
 def test_situ_glu_extremes_are_finite_and_bounded():

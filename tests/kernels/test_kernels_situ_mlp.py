@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from pallas_kernels import situ_mlp_up
-from pallas_kernels.situ_mlp import reference
+from pallas_kernels import resolve_backend, situ_mlp_up
+from pallas_kernels.situ_mlp import mosaic_sm90, reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -62,7 +62,7 @@ def test_lowers_for_sm90_at_k3_shapes(t, f, dtype):
     assert "mosaic_gpu" in text
 
 
-def test_validation_and_dispatch():
+def test_validation_and_dispatch(monkeypatch):
     x, gate, up = jnp.zeros((4, 8)), jnp.zeros((8, 6)), jnp.zeros((8, 6))
     with pytest.raises(ValueError, match="x_TD D=8 != gate_DF D=7"):
         situ_mlp_up(x, jnp.zeros((7, 6)), jnp.zeros((7, 6)), backend="xla", **SITU)
@@ -73,5 +73,29 @@ def test_validation_and_dispatch():
     with pytest.raises(ValueError, match="'gpu'"):
         situ_mlp_up(x, gate, up, backend="gpu", **SITU)
     if jax.default_backend() != "gpu":  # "auto" is the XLA path on the CPU
-        np.testing.assert_array_equal(situ_mlp_up(x + 1, gate + 1, up + 1, **SITU),
-                                      reference.situ_mlp_up(x + 1, gate + 1, up + 1, **SITU))
+        assert resolve_backend("auto") == "xla"
+    # Which implementation each backend name really calls (spies; the kernel is not run).
+    calls = []
+    original = reference.situ_mlp_up
+
+    def xla_spy(*args, **kwargs):
+        calls.append(("xla", None))
+        return original(*args, **kwargs)
+
+    def mosaic_spy(x_TD, gate_DF, up_DF, **kwargs):
+        calls.append(("mosaic", kwargs["interpret"]))
+        return jnp.zeros((x_TD.shape[0], gate_DF.shape[1]), x_TD.dtype)
+
+    monkeypatch.setattr(reference, "situ_mlp_up", xla_spy)
+    monkeypatch.setattr(mosaic_sm90, "situ_mlp_up", mosaic_spy)
+    x, gate, up = _inputs(7, 9, 40, 24, F32)
+    want = kc.np_situ_glu(np.asarray(x, np.float64) @ np.asarray(gate, np.float64),
+                          np.asarray(x, np.float64) @ np.asarray(up, np.float64))
+    auto = {"xla": ("xla", None), "pallas": ("mosaic", False)}[resolve_backend("auto")]
+    for backend, expected in [("auto", auto), ("xla", ("xla", None)),
+                              ("interpret", ("mosaic", True)), ("pallas", ("mosaic", False))]:
+        calls.clear()
+        out = situ_mlp_up(x, gate, up, backend=backend, **SITU)
+        assert calls == [expected], (backend, calls)
+        if expected[0] == "xla":  # random inputs: the dispatched result is the reference's
+            kc.assert_close(out, want, kc.TOL_F32, backend)
