@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for a lent H200 (the device tool's `run`, from the repo root):
 #
-#   bash benchmarks/h200_device_run.sh        # writes $OUT/{env.txt,gpu.json,gpu.md,gpu.log}
+#   bash benchmarks/h200_device_run.sh   # writes $OUT/{env.txt,gpu.json,gpu.md,gpu.log,gpu.png}
 #
 # Environment first (GPU, driver, jax/jaxlib/flax versions), then the kernel
 # benchmark with --keep-going, so one wrong or failing kernel costs its row,
@@ -35,4 +35,9 @@ cat "$out/env.txt"
 
 PYTHONPATH=. "$python" benchmarks/gpu_kernels.py --keep-going --time-budget "${TIME_BUDGET:-420}" \
   --json "$out/gpu.json" --markdown "$out/gpu.md" 2>&1 | tee "$out/gpu.log"
-exit "${PIPESTATUS[0]}"
+status="${PIPESTATUS[0]}"
+if [ -f "$out/gpu.json" ]; then  # matplotlib may be missing there: then plot after fetching
+  "$python" benchmarks/plot_gpu_kernels.py "$out/gpu.json" -o "$out/gpu.png" \
+    || echo "no plot here; run benchmarks/plot_gpu_kernels.py on the fetched gpu.json"
+fi
+exit "$status"

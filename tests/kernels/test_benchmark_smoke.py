@@ -13,6 +13,7 @@ import pytest
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SCRIPT = os.path.join(_REPO, "benchmarks", "gpu_kernels.py")
+_PLOT = os.path.join(_REPO, "benchmarks", "plot_gpu_kernels.py")
 
 
 def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
@@ -39,6 +40,25 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     assert result["mlp"] and result["mlp"][0]["op"] == "situ_mlp_up"
     markdown = out_md.read_text()
     assert "Ceilings" in markdown and "| gate_up_situ |" in markdown and "| situ_mlp_up |" in markdown
+
+    png = tmp_path / "bench.png"
+    plot = subprocess.run([sys.executable, _PLOT, str(out_json), "-o", str(png)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("make_input,culprit", [
+    (lambda d: d / "missing.json", "no such file"),
+    (lambda d: (d / "x.json").write_text("{not json") and d / "x.json", "is not JSON"),
+    (lambda d: (d / "y.json").write_text('{"meta": {}}') and d / "y.json", "missing"),
+])
+def test_plot_rejects_bad_input_with_exit_2(tmp_path, make_input, culprit):
+    proc = subprocess.run([sys.executable, _PLOT, str(make_input(tmp_path)), "-o",
+                           str(tmp_path / "p.png")], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2 and culprit in proc.stderr, proc.stderr
+    assert not (tmp_path / "p.png").exists()
 
 
 def _import_script():
