@@ -39,6 +39,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -176,12 +177,10 @@ class KernelMismatch(RuntimeError):
     """The kernel failed or its output disagrees with the XLA reference."""
 
 
-def time_fn(fn: Callable, args: tuple, *, iters: int, target_s: float = 1e-3) -> float:
-    """Median seconds per call of a jitted fn (block_until_ready after each sample).
-
-    The caller has already compiled and run fn once; one more call warms up
-    and sizes the number of back-to-back calls per sample.
-    """
+def time_wallclock(fn: Callable, args: tuple, *, iters: int, target_s: float = 1e-3) -> float:
+    """Median seconds per call over ``iters`` samples; a sample is enough
+    back-to-back calls to last ~``target_s`` (so Python dispatch overlaps the
+    device work), ended by block_until_ready. fn has been compiled and run."""
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     single = max(time.perf_counter() - t0, 1e-7)
@@ -199,7 +198,53 @@ def time_fn(fn: Callable, args: tuple, *, iters: int, target_s: float = 1e-3) ->
     return statistics.median(samples)
 
 
-def measure_ceilings(plan: Plan, iters: int) -> dict:
+def time_cupti(fn: Callable, args: tuple, *, iters: int) -> float:
+    """Median over ``iters`` calls of the summed GPU kernel time of one call
+    (CUPTI, as jax's own Mosaic GPU benchmarks time: no dispatch, no gaps)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    if time.perf_counter() - t0 > 0.25:
+        iters = min(iters, 3)
+    _, per_call_ms = profiler.measure(fn, iterations=iters)(*args)
+    if per_call_ms is None:
+        raise RuntimeError("CUPTI saw no kernel launch")
+    per_call_ms = per_call_ms if isinstance(per_call_ms, list) else [per_call_ms]
+    return statistics.median(per_call_ms) / 1e3
+
+
+TIMERS = {"cupti": time_cupti, "wallclock": time_wallclock}
+
+
+def pick_timing(platform: str) -> str:
+    """"cupti" on a GPU where CUPTI works (tried on a small matmul), else "wallclock"."""
+    if platform != "gpu":
+        return "wallclock"
+    a = jnp.ones((256, 256), DTYPE)
+    try:
+        time_cupti(jax.jit(jnp.dot), (a, a), iters=2)
+        return "cupti"
+    except Exception as e:  # noqa: BLE001 -- e.g. CUPTI unavailable in this container
+        print(f"# CUPTI timing unavailable ({type(e).__name__}: {str(e)[:200]}); "
+              "timing wall-clock", file=sys.stderr)
+        return "wallclock"
+
+
+def time_all(fns: dict[str, Callable], args: tuple, *, iters: int, timing: str
+             ) -> tuple[dict[str, float], str]:
+    """Seconds per call of every fn, all with one method: ``timing``, or
+    wall-clock for all of them when CUPTI fails on one. Returns (times, method)."""
+    if timing == "cupti":
+        try:
+            return {name: time_cupti(fn, args, iters=iters) for name, fn in fns.items()}, "cupti"
+        except Exception as e:  # noqa: BLE001 -- fall back for this row only, and say so
+            print(f"# CUPTI failed ({type(e).__name__}: {str(e)[:200]}): wall-clock for this row",
+                  file=sys.stderr)
+    return {name: time_wallclock(fn, args, iters=iters) for name, fn in fns.items()}, "wallclock"
+
+
+def measure_ceilings(plan: Plan, iters: int, timing: str) -> dict:
     """Dense bf16 matmul TFLOP/s and elementwise copy TB/s (read + write)."""
     n = plan.matmul_dim
     ka, kb = jax.random.split(jax.random.key(0))
@@ -207,11 +252,11 @@ def measure_ceilings(plan: Plan, iters: int) -> dict:
     b = jax.random.normal(kb, (n, n), DTYPE)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
-    t_dot = time_fn(dot, (a, b), iters=iters)
+    t_dot = TIMERS[timing](dot, (a, b), iters=iters)
     src = jax.random.normal(ka, (plan.copy_elems,), DTYPE)
     copy = jax.jit(lambda v: -v)  # cannot be elided; reads and writes every byte once
     jax.block_until_ready(copy(src))
-    t_copy = time_fn(copy, (src,), iters=iters)
+    t_copy = TIMERS[timing](copy, (src,), iters=iters)
     copy_bytes = 2 * src.size * src.dtype.itemsize
     return {"matmul_shape": [n, n, n], "matmul_tflops": 2 * n ** 3 / t_dot / 1e12,
             "matmul_us": t_dot * 1e6, "copy_bytes_moved": copy_bytes,
@@ -277,22 +322,33 @@ def _rates(flops: float, weight_bytes: float, seconds: float, ceilings: dict) ->
             "weight_tbps": weight_tbps, "pct_copy": 100 * weight_tbps / ceilings["copy_tbps"]}
 
 
+CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
 def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weight_bytes: float,
-               valid_rows: int, ceilings: dict, iters: int, fallback_check=None) -> dict:
-    """Check the kernel against XLA, then time both; one result row.
+               valid_rows: int, ceilings: dict, iters: int, timing: str,
+               fallback_check=None, peers: dict[str, Callable] | None = None) -> dict:
+    """Check the kernel against XLA, then time kernel, XLA and peers; one row.
 
     fallback_check(out) -> rel err verifies the kernel when the XLA baseline
-    itself fails (its error is recorded in the row as "xla_error").
+    itself fails (its error is recorded in the row as "xla_error"). ``peers``
+    (name -> fn, e.g. jax's own Mosaic ragged_dot) are checked the same way
+    and timed beside; a failing peer is recorded as "<name>_error". The row
+    names the custom calls in XLA's compiled program ("xla_custom_calls"), so
+    it shows which ragged_dot lowering the baseline got (e.g. cuDNN or none).
     """
-    kernel_jit, xla_jit = jax.jit(kernel_fn), jax.jit(xla_fn)
     row: dict = {"flops": flops, "weight_bytes": weight_bytes}
+    timed: dict[str, Callable] = {}
     try:
-        ref = jax.block_until_ready(xla_jit(*args))
-        row["xla"] = _rates(flops, weight_bytes, time_fn(xla_jit, args, iters=iters), ceilings)
+        xla = jax.jit(xla_fn).lower(*args).compile()
+        row["xla_custom_calls"] = sorted(set(CUSTOM_CALL.findall(xla.as_text())))
+        ref = jax.block_until_ready(xla(*args))
+        timed["xla"] = xla
     except Exception as e:  # noqa: BLE001 -- e.g. XLA expands ragged_dot densely: OOM
         ref, row["xla_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
     try:
-        out = jax.block_until_ready(kernel_jit(*args))
+        kernel = jax.jit(kernel_fn).lower(*args).compile()
+        out = jax.block_until_ready(kernel(*args))
     except Exception as e:
         raise KernelMismatch(f"{name}: kernel raised {type(e).__name__}: {str(e)[:2000]}") from e
     if ref is not None:
@@ -302,8 +358,19 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
         row["checked"] = "spot check (XLA baseline failed)"
     else:
         raise KernelMismatch(f"{name}: no XLA reference to verify against ({row['xla_error']})")
-    del ref
-    row["kernel"] = _rates(flops, weight_bytes, time_fn(kernel_jit, args, iters=iters), ceilings)
+    timed["kernel"] = kernel
+    for peer, peer_fn in (peers or {}).items():
+        try:
+            compiled = jax.jit(peer_fn).lower(*args).compile()
+            peer_out = jax.block_until_ready(compiled(*args))
+            check_against_reference(f"{name} {peer}", peer_out, out, valid_rows)  # vs checked kernel
+            timed[peer] = compiled
+        except Exception as e:  # noqa: BLE001 -- a peer's failure is recorded, not fatal
+            row[f"{peer}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    del ref, out
+    seconds, row["timing"] = time_all(timed, args, iters=iters, timing=timing)
+    for impl, t in seconds.items():
+        row[impl] = _rates(flops, weight_bytes, t, ceilings)
     if "xla" in row:
         row["speedup"] = row["xla"]["us"] / row["kernel"]["us"]
     return row
@@ -365,14 +432,46 @@ def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
         return {"error": str(e)}
 
 
-def run_grouped(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
-                results: Results, keep_going: bool) -> None:
-    """The grouped MoE sweep: EP x token counts x ops, one row each."""
+@dataclasses.dataclass
+class Sweep:
+    """What every measurement of one run shares."""
+
+    kernel_backend: str  # "pallas" on the GPU, "interpret" for --smoke
+    ceilings: dict
+    iters: int
+    timing: str  # "cupti" | "wallclock"
+    deadline: float  # time.monotonic() after which configs are skipped
+    keep_going: bool
+    results: Results
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def measure(self, name: str, kernel_fn, xla_fn, args: tuple, **kwargs) -> dict:
+        """bench_pair with this run's settings (an "error" row with keep_going)."""
+        return guarded(self.keep_going, bench_pair, name, kernel_fn, xla_fn, args,
+                       ceilings=self.ceilings, iters=self.iters, timing=self.timing, **kwargs)
+
+
+def jax_mosaic_ragged_dot(case: GroupedCase) -> Callable:
+    """Peer for "down": jax's own Mosaic GPU ragged_dot
+    (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu), one fixed tiling like
+    ours (64-row tiles at decode, 128 at prefill); not autotuned."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    block_m = 128 if case.rows >= 128 * case.local_experts else 64
+    return lambda x, w, s: ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=s, block_m=block_m, block_n=128, block_k=64, max_concurrent_steps=4,
+        grid_block_n=4 if case.n % 512 == 0 else 1)
+
+
+def run_grouped(plan: Plan, sweep: Sweep) -> None:
+    """The grouped MoE sweep: token counts x EP x ops, one row each."""
     weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes
     for case in grouped_cases(plan):
-        if time.monotonic() > deadline:
-            results.add("grouped", {**case.fields(), "skipped": "time budget"})
-            print(format_grouped_row(results.data["grouped"][-1]))
+        if sweep.out_of_time():
+            sweep.results.add("grouped", {**case.fields(), "skipped": "time budget"})
+            print(format_grouped_row(sweep.results.data["grouped"][-1]))
             continue
         if case.ep not in weights_by_ep:
             weights_by_ep[case.ep] = _expert_weights(plan, case)
@@ -381,17 +480,18 @@ def run_grouped(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, dea
         sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
                                                seed=case.tokens + case.ep))
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
-        args = (x, *ws, sizes)
         active = int(jnp.sum(sizes > 0))
-        row = guarded(keep_going, bench_pair, case.name, case.fn(kernel_backend), case.fn("xla"),
-                      args, flops=2.0 * case.rows * case.k * case.n * case.num_weights,
-                      weight_bytes=float(active * case.k * case.n * case.num_weights * 2),
-                      valid_rows=case.rows, ceilings=ceilings, iters=iters,
-                      fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws,
-                                                       sizes=sizes))
-        results.add("grouped", {**case.fields(), "active_experts": active,
-                                "small": case.tokens <= plan.small_tokens, **row})
-        print(format_grouped_row(results.data["grouped"][-1]))
+        peers = ({"jax_mosaic": jax_mosaic_ragged_dot(case)}
+                 if case.op == "down" and sweep.kernel_backend == "pallas" else {})
+        row = sweep.measure(
+            case.name, case.fn(sweep.kernel_backend), case.fn("xla"), (x, *ws, sizes),
+            flops=2.0 * case.rows * case.k * case.n * case.num_weights,
+            weight_bytes=float(active * case.k * case.n * case.num_weights * 2),
+            valid_rows=case.rows, peers=peers,
+            fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws, sizes=sizes))
+        sweep.results.add("grouped", {**case.fields(), "active_experts": active,
+                                      "small": case.tokens <= plan.small_tokens, **row})
+        print(format_grouped_row(sweep.results.data["grouped"][-1]))
 
 
 def _expert_weights(plan: Plan, case: GroupedCase) -> dict[str, jax.Array]:
@@ -404,24 +504,22 @@ def _expert_weights(plan: Plan, case: GroupedCase) -> dict[str, jax.Array]:
             "down": jax.random.normal(keys[2], shape_down, DTYPE) * plan.inter ** -0.5}
 
 
-def run_mlp(plan: Plan, kernel_backend: str, ceilings: dict, iters: int, deadline: float,
-            results: Results, keep_going: bool) -> None:
+def run_mlp(plan: Plan, sweep: Sweep) -> None:
     """The fused dense MLP up-projection sweep: tp x token counts."""
     for case in mlp_cases(plan):
-        if time.monotonic() > deadline:
-            results.add("mlp", {**case.fields(), "skipped": "time budget"})
-            print(format_mlp_row(results.data["mlp"][-1]))
+        if sweep.out_of_time():
+            sweep.results.add("mlp", {**case.fields(), "skipped": "time budget"})
+            print(format_mlp_row(sweep.results.data["mlp"][-1]))
             continue
         keys = jax.random.split(jax.random.key(100 + case.tp), 3)
         gate = jax.random.normal(keys[0], (case.d, case.f), DTYPE) * case.d ** -0.5
         up = jax.random.normal(keys[1], (case.d, case.f), DTYPE) * case.d ** -0.5
         x = jax.random.normal(keys[2], (case.tokens, case.d), DTYPE)
-        row = guarded(keep_going, bench_pair, case.name, case.fn(kernel_backend), case.fn("xla"),
-                      (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
-                      weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
-                      ceilings=ceilings, iters=iters)
-        results.add("mlp", {**case.fields(), **row})
-        print(format_mlp_row(results.data["mlp"][-1]))
+        row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
+                            (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
+                            weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens)
+        sweep.results.add("mlp", {**case.fields(), **row})
+        print(format_mlp_row(sweep.results.data["mlp"][-1]))
 
 
 def lower_all(plan: Plan) -> int:
@@ -430,6 +528,8 @@ def lower_all(plan: Plan) -> int:
     Returns the number of configs that failed."""
     failures = 0
     cases = [(c.name, c.fn("pallas"), c.arg_specs()) for c in grouped_cases(plan)]
+    cases += [(f"{c.name} (peer: jax Mosaic)", jax_mosaic_ragged_dot(c), c.arg_specs())
+              for c in grouped_cases(plan) if c.op == "down"]
     cases += [(c.name, c.fn("pallas"), c.arg_specs()) for c in mlp_cases(plan)]
     for name, fn, specs in cases:
         t0 = time.perf_counter()
@@ -437,10 +537,10 @@ def lower_all(plan: Plan) -> int:
             text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
             if "mosaic_gpu" not in text:
                 raise RuntimeError("no Mosaic GPU custom call in the lowered module")
-            print(f"lowered  {name:<34} {time.perf_counter() - t0:5.2f} s")
+            print(f"lowered  {name:<52} {time.perf_counter() - t0:5.2f} s")
         except Exception as e:  # noqa: BLE001 -- report every failing config, then exit 1
             failures += 1
-            print(f"FAILED   {name:<34} {type(e).__name__}: {str(e)[:500]}")
+            print(f"FAILED   {name:<52} {type(e).__name__}: {str(e)[:500]}")
     print(f"# {len(cases) - failures} of {len(cases)} configs lower for sm_90")
     return failures
 
@@ -466,7 +566,8 @@ def format_grouped_row(r: dict) -> str:
     return (f"{head} rows={r['rows']:<7} kernel {_fmt(r, 'kernel', 'us', '10.1f')} us "
             f"{_fmt(r, 'kernel', 'tflops', '6.1f')} TF/s ({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense)"
             f" | xla {_fmt(r, 'xla', 'us', '10.1f')} us ({_fmt(r, 'xla', 'pct_dense', '4.1f')}%)"
-            f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else ""))
+            f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else "")
+            + (f" | jax mosaic {_fmt(r, 'jax_mosaic', 'us', '.1f')} us" if "jax_mosaic" in r else ""))
 
 
 def format_mlp_row(r: dict) -> str:
@@ -502,21 +603,26 @@ def to_markdown(result: dict) -> str:
         f"- Command: `{meta['command']}`",
         (f"- Ceilings: bf16 matmul {ceil['matmul_shape'][0]}^3 = {ceil['matmul_tflops']:.1f} TFLOP/s; "
          f"elementwise copy = {ceil['copy_tbps']:.2f} TB/s (read + write)"),
-        (f"- Timing: median of {meta['iters']} samples after warm-up; kernel outputs checked "
-         f"against XLA (max rel err <= {CHECK_TOL})."),
-        "",
+        (f"- Timing: {TIMING_WORDS[meta['timing']]}, median of {meta['iters']} after warm-up; "
+         f"kernel outputs checked against XLA (max rel err <= {CHECK_TOL})."),
     ]
     grouped = result["grouped"]
+    calls = sorted({", ".join(r["xla_custom_calls"]) or "none" for r in grouped
+                    if "xla_custom_calls" in r})
+    if calls:
+        lines.append(f"- Custom calls in XLA's compiled ragged_dot baseline: {'; '.join(calls)}.")
+    lines.append("")
     lines += _table(
         ["op", "EP", "local experts", "tokens", "rows", "kernel us", "XLA us", "speedup",
-         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)"],
+         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)", "jax Mosaic ragged_dot us"],
         [[r["op"], r["ep"], r["local_experts"], r["tokens"], r["rows"]] for r in grouped],
         [_status(r) or [
             _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
             f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f"),
             _fmt(r, "xla", "pct_dense", ".1f"),
             (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
-             if r["small"] else "")] for r in grouped])
+             if r["small"] else ""),
+            _fmt(r, "jax_mosaic", "us", ".1f") if r["op"] == "down" else ""] for r in grouped])
     lines.append("")
     mlp = result["mlp"]
     lines += _table(
@@ -527,6 +633,10 @@ def to_markdown(result: dict) -> str:
             f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f")]
          for r in mlp])
     return "\n".join(lines) + "\n"
+
+
+TIMING_WORDS = {"cupti": "CUPTI kernel time per call (no dispatch)",
+                "wallclock": "wall clock per call over ~1 ms of back-to-back calls"}
 
 
 def _positive_int(text: str) -> int:
@@ -612,17 +722,20 @@ def main(argv=None) -> int:
                                  *(sys.argv[1:] if argv is None else argv)]),
             "smoke": args.smoke, "iters": iters, "top_k": plan.top_k,
             "num_experts": plan.num_experts}
+    meta["timing"] = pick_timing(device.platform)
     results = Results(meta, args.json, args.markdown)
     print(f"# {meta['gpu']} jax {meta['jax_version']} jaxlib {meta['jaxlib_version']} "
-          f"flax {meta['flax_version']} kernel backend {kernel_backend}")
-    ceilings = measure_ceilings(plan, iters)
+          f"flax {meta['flax_version']} kernel backend {kernel_backend} timing {meta['timing']}")
+    ceilings = measure_ceilings(plan, iters, meta["timing"])
     results.set_ceilings(ceilings)
     print(f"# ceilings: matmul {ceilings['matmul_tflops']:.1f} TFLOP/s, "
           f"copy {ceilings['copy_tbps']:.3f} TB/s")
+    sweep = Sweep(kernel_backend, ceilings, iters, meta["timing"], deadline, args.keep_going,
+                  results)
     try:
         # The MLP sweep is short: it runs first, so the time budget cannot skip it.
-        run_mlp(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
-        run_grouped(plan, kernel_backend, ceilings, iters, deadline, results, args.keep_going)
+        run_mlp(plan, sweep)
+        run_grouped(plan, sweep)
     except KernelMismatch as e:
         print(f"ABORT: kernel output is wrong, not timing it: {e}", file=sys.stderr)
         return 3

@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# The one command for a lent H200 (the device tool's `run`, from the repo root):
+# The one command for a lent H200 (the device tool's `run`, from the repo root,
+# timeout_s 580):
 #
-#   bash benchmarks/h200_device_run.sh   # writes $OUT/{env.txt,gpu.json,gpu.md,gpu.log,gpu.png}
+#   bash benchmarks/h200_device_run.sh
 #
-# Environment first (GPU, driver, jax/jaxlib/flax versions), then the kernel
-# benchmark with --keep-going, so one wrong or failing kernel costs its row,
-# not the run. gpu.json / gpu.md are rewritten after every row: a run cut
-# short by the device time limit still brings back what it measured.
-# Pre-flight on the CPU first: python benchmarks/gpu_kernels.py --lower-only
+# writes under $OUT:
+#   env.txt                GPU, driver, python and package versions
+#   checks.json/.log       gpu_kernel_checks.py: correctness on the device (f32,
+#                          NaN tails, empty groups, padding, prefill tiles,
+#                          two runs bitwise equal), with ptxas's register and
+#                          spill report (MOSAIC_GPU_DUMP_PTXAS=1); spills.txt
+#   gpu.json/.md/.log      gpu_kernels.py --keep-going: the timed sweep
+#   gpu.png                the plot, when matplotlib is there
+#
+# Each step has its own timeout, so a hang costs that step, not the run: the
+# checks get 150 s; the sweep is skipped when the checks hung, and otherwise
+# gets TIME_BUDGET (default 270 s) to start configs plus 120 s to finish one.
+# gpu.json / gpu.md are rewritten after every row. Pre-flight on the CPU
+# first: python benchmarks/gpu_kernels.py --lower-only
 set -uo pipefail
 out="${OUT:?OUT must name the output folder}"
 python="${PYTHON:-python3}"
+budget="${TIME_BUDGET:-270}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 {
@@ -23,7 +34,7 @@ import sys
 import jax
 
 print("python", sys.version.split()[0])
-for package in ("jax", "jaxlib", "flax", "numpy", "torch"):
+for package in ("jax", "jaxlib", "flax", "numpy", "torch", "matplotlib"):
     try:
         print(package, md.version(package))
     except md.PackageNotFoundError:
@@ -33,11 +44,23 @@ EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-PYTHONPATH=. "$python" benchmarks/gpu_kernels.py --keep-going --time-budget "${TIME_BUDGET:-420}" \
-  --json "$out/gpu.json" --markdown "$out/gpu.md" 2>&1 | tee "$out/gpu.log"
+MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. timeout 150 "$python" benchmarks/gpu_kernel_checks.py \
+  --json "$out/checks.json" >"$out/checks.log" 2>&1
+checks=$?
+grep -v "^ptxas info\|^ptxas .*Compiling\|Used [0-9]* registers" "$out/checks.log" | tail -40
+grep -i "spill\|Used [0-9]* registers" "$out/checks.log" | sort | uniq -c >"$out/spills.txt"
+echo "# gpu_kernel_checks exit $checks; register/spill lines: $(wc -l <"$out/spills.txt")"
+
+if [ "$checks" -eq 124 ]; then
+  echo "# the correctness pass hung: not running the sweep"
+  exit 124
+fi
+PYTHONPATH=. timeout $((budget + 120)) "$python" benchmarks/gpu_kernels.py --keep-going \
+  --time-budget "$budget" --json "$out/gpu.json" --markdown "$out/gpu.md" 2>&1 | tee "$out/gpu.log"
 status="${PIPESTATUS[0]}"
 if [ -f "$out/gpu.json" ]; then  # matplotlib may be missing there: then plot after fetching
   "$python" benchmarks/plot_gpu_kernels.py "$out/gpu.json" -o "$out/gpu.png" \
     || echo "no plot here; run benchmarks/plot_gpu_kernels.py on the fetched gpu.json"
 fi
+[ "$checks" -ne 0 ] && [ "$status" -eq 0 ] && status="$checks"
 exit "$status"

@@ -7,8 +7,8 @@ on a (1, N) mesh. After ``warmup`` calls (the first compiles), ``repeats``
 samples are taken; a sample is ``inner`` back-to-back calls ended by
 ``block_until_ready`` on the output, divided by ``inner`` (``inner`` is chosen
 so a sample lasts at least ``min_sample_ms``: this keeps Python dispatch out
-of microsecond-scale GPU calls; on the CPU it is 1). The reported latency is
-the median sample.
+of microsecond-scale GPU calls; it is 1 whenever one call already lasts
+min_sample_ms). The reported latency is the median sample.
 
 Slowest device: vLLM's benchmark takes the max over ranks of each rank's
 time. Here one process drives every device through one SPMD program, and

@@ -9,7 +9,8 @@ group). The three layouts of an MLP and of the routed experts:
 
     MlpMode.REPLICATED   full weights; each device runs its own rows; no collective
     MlpMode.SP_SHARDED   gate/up columns and down rows split over TENSOR;
-                         all-gather rows -> partial MLP -> reduce-scatter rows
+                         all-gather rows -> float32 partial MLP ->
+                         float32 reduce-scatter rows -> activation dtype
     MlpMode.TP           same split, rows replicated over TENSOR; all-reduce
 
     MoEMode.LOCAL        every expert whole on every device

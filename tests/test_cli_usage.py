@@ -44,7 +44,8 @@ def test_bad_flag_values_exit_2_naming_the_flag(argv, capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--layer", "5"], "--layer 5 is out of range: the tiny synthetic checkpoint has 3 layers (0..2)"),
     (["--backend", "pallas"], "--backend pallas needs a Hopper GPU"),
-    (["--tp", "3"], "moe_intermediate_size 64 is not divisible by the 3 devices"),
+    (["--tp", "3"], "--dp 1 --tp 3 does not fit this model: moe_intermediate_size 64 is not "
+                    "divisible by the 3 devices"),
 ])
 def test_run_usage_errors_exit_2(flags, words, tmp_path, capsys):
     out = tmp_path / "y.npy"
@@ -58,6 +59,20 @@ def test_packed_mxfp4_that_does_not_fit_names_the_flag(mx_ckpt, capsys):
     assert main(argv) == 2
     assert "(--mxfp4 dequantize)" in one_line_error(capsys.readouterr().err)
     assert main([*argv, "--mxfp4", "dequantize"]) == 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "7"], "--dp 1 --tp 7 does not fit this model: moe_intermediate_size 3072 is not "
+                    "divisible by the 7 devices"),
+    (["--preset", "tiny", "--tp", "8", "--sequence-parallel"],
+     "MXFP4 packed experts need the per-shard intermediate (8) to be a multiple of 32; store the "
+     "experts dequantized instead (--expert-dtype bfloat16)"),
+])
+def test_plan_layout_errors_name_the_flags(flags, words, capsys):
+    assert main(["plan", *flags]) == 2
+    assert words in one_line_error(capsys.readouterr().err)
+    assert main(["plan", "--preset", "tiny", "--tp", "8", "--sequence-parallel",
+                 "--expert-dtype", "bfloat16"]) == 0
 
 
 def test_accelerator_hosts_do_not_fall_back_to_cpu_devices(monkeypatch):

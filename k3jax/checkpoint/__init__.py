@@ -1,5 +1,6 @@
-"""Checkpoints: tensor names (one table), sliced safetensors reading, the
-MXFP4 codec, loading layers straight onto devices, and synthetic writing."""
+"""Checkpoints: tensor names (one table), sliced safetensors reading, MXFP4
+tensors (codes + scales; the codec is k3jax.ops.mxfp4), loading layers
+straight onto devices, and synthetic writing."""
 
 from k3jax.checkpoint.load import LayoutError, load_layer
 from k3jax.checkpoint.reader import CheckpointError, CheckpointReader

@@ -14,7 +14,7 @@ from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource, local_blocks
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
-from k3jax.modules.moe import ExpertStorage
+from k3jax.modules.moe import ExpertStorage, Mxfp4ShardError
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
@@ -57,7 +57,7 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     try:
         decls = layer_decls(layout, layer, dtype, experts)
     except ValueError as e:
-        raise LayoutError(str(e), packed_mxfp4=packed) from None
+        raise LayoutError(str(e), packed_mxfp4=isinstance(e, Mxfp4ShardError)) from None
     source.check(decls)
     mesh = make_mesh(parallel) if mesh is None else mesh
     if not progress:

@@ -107,6 +107,14 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                         "(default: dp * tp)")
 
 
+def layout_flags(parallel: ParallelConfig) -> str:
+    """The layout flags that give ``parallel``, for error messages."""
+    flags = [f"--dp {parallel.dp}", f"--tp {parallel.tp}"]
+    flags += ["--sequence-parallel"] * parallel.sequence_parallel
+    flags += ["--expert-parallel"] * parallel.expert_parallel
+    return " ".join(flags)
+
+
 def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> ParallelConfig:
     tp = args.tp
     if args.dp is not None:

@@ -21,6 +21,7 @@ from k3jax.cli.common import (
     atomic_save_npy,
     check_backend,
     check_output,
+    layout_flags,
     non_negative_int,
     parallel_from_args,
     pick_devices,
@@ -182,8 +183,9 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                                 backend=args.backend, mxfp4=args.mxfp4, progress=True)
         except LayoutError as e:
-            hint = " (--mxfp4 dequantize)" if e.packed_mxfp4 else ""
-            raise UsageError(f"{e}{hint}") from None
+            if e.packed_mxfp4:
+                raise UsageError(f"{e} (--mxfp4 dequantize)") from None
+            raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))

@@ -71,8 +71,9 @@ MLP_LOCAL = {MlpMode.REPLICATED: mlp_replicated_local,
 
 class KimiMLP(nnx.Module):
     """SiTU-GLU MLP on a mesh. ``__call__``: x_TD [T, D] (all rows, any T) ->
-    y_TD [T, D], split over ``layout.parallel.token_axes`` ((data, tensor)
-    under sequence parallelism, else (data,)).
+    y_TD [T, D]. Rows are computed split over ``layout.parallel.token_axes``
+    ((data, tensor) under sequence parallelism, else (data,)); the output is
+    placed that way when T is a multiple of the row blocks, else XLA chooses.
 
     ``mesh`` must be the (dp, tp) mesh of ``layout.parallel``.
     """

@@ -88,6 +88,11 @@ def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
             ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
 
 
+class Mxfp4ShardError(ValueError):
+    """Packed MXFP4 experts cannot be split this way (a shard would cut a
+    32-wide scale block); dense (dequantized) expert storage can."""
+
+
 def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     """Packed codes (2 per byte) and scales (1 per 32) along each weight's
     input axis: L for w1/w3 (axis 1 of [E, L, F]), F for w2 (axis 1 of [E, F, L])."""
@@ -97,8 +102,8 @@ def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     for what, width in (("latent width", L), ("per-shard intermediate", I // shards),
                         ("padded per-shard intermediate", F // shards)):
         if width % BLOCK_SIZE:
-            raise ValueError(f"MXFP4 packed experts need the {what} ({width}) to be a multiple "
-                             f"of {BLOCK_SIZE}; load the experts dequantized instead")
+            raise Mxfp4ShardError(f"MXFP4 packed experts need the {what} ({width}) to be a "
+                                  f"multiple of {BLOCK_SIZE}; store the experts dequantized instead")
     specs = layout.moe_param_specs()
     u8 = jnp.dtype(jnp.uint8)
     decls = []
@@ -193,8 +198,9 @@ MOE_LOCAL = {Dispatch.OWN_ROWS: moe_rows_local, Dispatch.ALL_REDUCE: moe_tp_loca
 
 class KimiMoE(nnx.Module):
     """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> y_TD
-    [T, D], split over ``layout.token_axes``. ``mesh`` must be the (dp, tp)
-    mesh of ``layout.parallel``."""
+    [T, D]. Rows are computed split over ``layout.token_axes``; the output is
+    placed that way when T is a multiple of the row blocks, else XLA chooses.
+    ``mesh`` must be the (dp, tp) mesh of ``layout.parallel``."""
 
     def __init__(self, layout: Layout, mesh: Mesh | AbstractMesh, *, dtype=jnp.float32,
                  source: ParamSource, backend: Backend = "auto",

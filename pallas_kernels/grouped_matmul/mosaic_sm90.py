@@ -181,7 +181,8 @@ def work_items_4W(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.
     item_start_S = item_end_S - count_S
 
     w_W = jnp.arange(num_work_items(num_rows, num_groups, block_m), dtype=jnp.int32)
-    seg_W = jnp.searchsorted(item_end_S, w_W, side="right").astype(jnp.int32)
+    # compare_all: one [W, G+1] comparison, no while loop in the launch path
+    seg_W = jnp.searchsorted(item_end_S, w_W, side="right", method="compare_all").astype(jnp.int32)
     used_W = seg_W <= num_groups
     seg_W = jnp.minimum(seg_W, num_groups)
     block_W = first_block_S[seg_W] + w_W - item_start_S[seg_W]

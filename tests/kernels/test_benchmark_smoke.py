@@ -70,13 +70,15 @@ def _import_script():
 
 def test_lower_only_covers_every_config_of_the_h200_sweep():
     """Pre-flight on the CPU: every kernel config the full GPU run compiles
-    (3 EP x 6 token counts x 2 ops + 3 tp x 5 token counts) lowers for sm_90."""
+    (3 EP x 6 token counts x 2 ops + 3 tp x 5 token counts) and the jax
+    Mosaic ragged_dot peer of every "down" config lowers for sm_90."""
     proc = subprocess.run([sys.executable, _SCRIPT, "--lower-only"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           cwd=_REPO, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("lowered  ") == 51 and "FAILED" not in proc.stdout
-    assert "# 51 of 51 configs lower for sm_90" in proc.stdout
+    assert proc.stdout.count("lowered  ") == 69 and "FAILED" not in proc.stdout
+    assert "# 69 of 69 configs lower for sm_90" in proc.stdout
+    assert proc.stdout.count("(peer: jax Mosaic)") == 18
     assert "gate_up_situ ep=8 tokens=16384" in proc.stdout
     assert "situ_mlp_up tp=8 tokens=8" in proc.stdout
 
@@ -146,12 +148,13 @@ def test_benchmark_help(capsys):
 
 
 def test_device_run_script_records_the_environment_and_refuses_a_cpu(tmp_path):
-    """benchmarks/h200_device_run.sh: env.txt first, then the benchmark, whose
-    exit status it returns (2 here: the full sweep needs a GPU)."""
+    """benchmarks/h200_device_run.sh: env.txt, then the correctness pass, then
+    the sweep, whose exit status it returns (2 here: both need a GPU)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", os.path.join(_REPO, "benchmarks", "h200_device_run.sh")],
                           capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     env_txt = (tmp_path / "env.txt").read_text()
     assert f"jax {jax.__version__}" in env_txt and "devices [Cpu" in env_txt
-    assert "the full benchmark needs a GPU" in (tmp_path / "gpu.log").read_text()
+    assert "needs a GPU" in (tmp_path / "checks.log").read_text()       # step 2: checks
+    assert "the full benchmark needs a GPU" in (tmp_path / "gpu.log").read_text()  # step 3

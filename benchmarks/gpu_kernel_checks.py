@@ -1,0 +1,155 @@
+"""Correctness of the Pallas kernels on the device, before anything is timed.
+
+The benchmark sweep (gpu_kernels.py) runs bf16 at K3 shapes where the groups
+cover every row. This pass covers what it does not, on the real backend:
+float32 inputs (the bf16x3 path), rows past sum(group_sizes) poisoned with
+NaN (the tail branch), empty groups, one group holding every row, fewer
+rows than one tile, K and N that need padding, and the prefill tiles. Each
+case runs twice and must give bitwise-identical outputs (a race that shows
+only sometimes fails here), and is compared with a float64 numpy reference
+(tests/kernels/kernel_cases.py, the test suite's shared base).
+
+  python benchmarks/gpu_kernel_checks.py --json checks.json       # on the GPU
+  python benchmarks/gpu_kernel_checks.py --backend interpret      # CPU, minutes
+
+Exit status: 0 all cases pass, 1 some case failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.join(_REPO, "tests", "kernels"))
+
+import kernel_cases as kc  # noqa: E402 -- the test suite's inputs and float64 references
+from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call: op "matmul" | "situ_glu" (grouped) | "mlp" (situ_mlp_up)."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    groups: int
+    pattern: str  # kernel_cases.group_pattern name; "mlp" for situ_mlp_up
+    dtype: object
+
+    @property
+    def name(self) -> str:
+        dtype = jnp.dtype(self.dtype).name
+        return f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} {dtype}"
+
+
+def _grouped(op: str, m: int, k: int, n: int, g: int, patterns, dtypes) -> list[Case]:
+    return [Case(op, m, k, n, g, p, d) for p in patterns for d in dtypes]
+
+
+PATTERNS = ("uniform", "zeros_skewed", "one_group_all", "sum_lt_m", "all_empty")
+CASES: list[Case] = [
+    # decode tiles (M / G < 128): every group-size pattern, both dtypes
+    *_grouped("matmul", 300, 256, 256, 8, PATTERNS, (BF16, F32)),
+    *_grouped("situ_glu", 300, 256, 256, 8, ("zeros_skewed", "sum_lt_m"), (BF16, F32)),
+    # fewer rows than one 64-row tile; K and N that no block divides (padded)
+    *_grouped("matmul", 40, 256, 256, 4, ("sum_lt_m",), (BF16,)),
+    *_grouped("situ_glu", 120, 96, 80, 4, ("sum_lt_m",), (BF16, F32)),
+    # prefill tiles (M / G >= 128: two consumer warpgroups; f32 shrinks block_n)
+    *_grouped("matmul", 1024, 512, 512, 4, ("uniform", "sum_lt_m"), (BF16, F32)),
+    *_grouped("situ_glu", 1024, 512, 512, 4, ("sum_lt_m",), (BF16, F32)),
+    # the fused dense MLP (one group holding every row)
+    Case("mlp", 40, 256, 192, 1, "mlp", BF16), Case("mlp", 40, 256, 192, 1, "mlp", F32),
+    Case("mlp", 512, 512, 256, 1, "mlp", BF16),
+]
+
+
+def run_case(case: Case, backend: str, seed: int) -> dict:
+    """Run the kernel twice on fresh random inputs; check against float64."""
+    num_weights = 1 if case.op == "matmul" else 2
+    x, ws = kc.grouped_inputs(seed, case.m, case.k, case.n, case.groups, case.dtype, num_weights)
+    if case.op == "mlp":
+        sizes = np.array([case.m], np.int32)
+        fn = jax.jit(lambda x, a, b: situ_mlp_up(x, a, b, backend=backend, **SITU))
+        args = (x, ws[0][0], ws[1][0])
+        ref = kc.np_grouped_situ_glu(x, ws[0], ws[1], sizes)
+    else:
+        sizes = kc.group_pattern(case.pattern, case.m, case.groups)
+        x = kc.poison_tail(x, sizes)
+        if case.op == "matmul":
+            fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend=backend))
+            ref = kc.np_grouped_matmul(x, ws[0], sizes)
+        else:
+            fn = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=backend, **SITU))
+            ref = kc.np_grouped_situ_glu(x, ws[0], ws[1], sizes)
+        args = (x, *ws, jnp.asarray(sizes))
+    first = np.asarray(jax.block_until_ready(fn(*args)))
+    second = np.asarray(jax.block_until_ready(fn(*args)))
+    if not np.array_equal(first.view(np.uint8), second.view(np.uint8)):
+        raise AssertionError(f"{case.name}: two runs differ bitwise (a race?)")
+    tol = kc.kernel_tol(case.dtype)
+    kc.assert_grouped_output(first, ref, sizes, tol, case.name)
+    valid = int(np.sum(sizes))
+    return {"rel_err": kc.rel_err(first[:valid], ref[:valid]) if valid else 0.0, "tol": tol}
+
+
+def run_checks(cases: list[Case], backend: str, log=print) -> list[dict]:
+    """Every case, in order; a failing case is recorded and the rest still run."""
+    rows = []
+    for i, case in enumerate(cases):
+        t0 = time.perf_counter()
+        row = {"case": case.name}
+        try:
+            row.update(run_case(case, backend, seed=i))
+            row["ok"] = True
+            log(f"ok    {case.name:<48} rel err {row['rel_err']:.2e} (tol {row['tol']:.0e}), "
+                f"2 runs identical, {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # noqa: BLE001 -- report every failing case
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:1000]}")
+            log(f"FAIL  {case.name:<48} {row['error']}")
+            if not isinstance(e, AssertionError):
+                traceback.print_exc(limit=3)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("pallas", "interpret"), default="pallas",
+                   help="pallas (default; needs a Hopper GPU) or interpret (CPU)")
+    p.add_argument("--json", metavar="PATH", help="write the per-case results as JSON")
+    args = p.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: the folder does not exist")
+    if args.backend == "pallas" and jax.default_backend() != "gpu":
+        p.error("--backend pallas needs a GPU (use --backend interpret on the CPU)")
+    device = jax.devices()[0]
+    print(f"# {device.device_kind} jax {jax.__version__} backend {args.backend}: "
+          f"{len(CASES)} cases")
+    rows = run_checks(CASES, args.backend)
+    failed = sum(not r["ok"] for r in rows)
+    print(f"# {len(rows) - failed} of {len(rows)} cases pass")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device.device_kind, "jax_version": jax.__version__,
+                       "backend": args.backend, "cases": rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

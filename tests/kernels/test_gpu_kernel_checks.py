@@ -1,0 +1,93 @@
+"""benchmarks/gpu_kernel_checks.py: the on-device correctness pass. Here it
+runs a few of its cases in interpret mode, must flag a wrong or
+non-deterministic kernel, and every case must lower for sm_90."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
+
+import gpu_kernel_checks as checks  # noqa: E402
+
+import kernel_cases as kc  # noqa: E402
+
+SMALL = [c for c in checks.CASES if c.m <= 120 and c.dtype == checks.BF16][:3]
+
+
+def test_small_cases_pass_in_interpret_mode():
+    assert {c.op for c in SMALL} >= {"matmul", "situ_glu"}
+    rows = checks.run_checks(SMALL, "interpret", log=lambda _: None)
+    assert all(r["ok"] for r in rows), rows
+    assert all(0 < r["rel_err"] <= r["tol"] for r in rows), rows
+
+
+def test_a_wrong_kernel_and_a_nondeterministic_one_fail(monkeypatch):
+    case = SMALL[0]
+    assert case.op == "matmul"
+    real = checks.grouped_matmul
+    monkeypatch.setattr(checks, "grouped_matmul",
+                        lambda x, w, s, backend: real(x, w, s, backend="xla") * 1.05)
+    [wrong] = checks.run_checks([case], "interpret", log=lambda _: None)
+    assert not wrong["ok"] and "relative error" in wrong["error"]
+
+    calls = []
+
+    def run_number():  # host side, once per execution of the compiled program
+        calls.append(1)
+        return np.float32(len(calls) - 1)
+
+    def flaky(x, w, s, backend):  # correct on the first run, one bf16 step off on the second
+        bump = jax.pure_callback(run_number, jax.ShapeDtypeStruct((), jnp.float32))
+        y = real(x, w, s, backend="xla")
+        return (y.astype(jnp.float32) * (1 + bump * 2.0 ** -6)).astype(y.dtype)
+    monkeypatch.setattr(checks, "grouped_matmul", flaky)
+    [racy] = checks.run_checks([case], "interpret", log=lambda _: None)
+    assert not racy["ok"] and "differ bitwise" in racy["error"]
+
+
+def test_every_case_lowers_for_sm90():
+    S = jax.ShapeDtypeStruct
+    for case in checks.CASES:
+        x = S((case.m, case.k), case.dtype)
+        w = S((case.groups, case.k, case.n), case.dtype)
+        sizes = S((case.groups,), jnp.int32)
+        if case.op == "matmul":
+            fn, specs = (lambda x, w, s: checks.grouped_matmul(x, w, s, backend="pallas")), (x, w, sizes)
+        elif case.op == "situ_glu":
+            fn = lambda x, a, b, s: checks.grouped_situ_glu(x, a, b, s, backend="pallas", **checks.SITU)  # noqa: E731
+            specs = (x, w, w, sizes)
+        else:
+            fn = lambda x, a, b: checks.situ_mlp_up(x, a, b, backend="pallas", **checks.SITU)  # noqa: E731
+            specs = (x, S((case.k, case.n), case.dtype), S((case.k, case.n), case.dtype))
+        assert "mosaic_gpu" in kc.lower_for_sm90(fn, *specs), case.name
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--backend", "pallas"], "needs a GPU"),
+    (["--backend", "cuda"], "invalid choice"),
+    (["--json", "/no/such/dir/c.json"], "--json"),
+])
+def test_usage_errors_exit_2(argv, words):
+    proc = subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "gpu_kernel_checks.py"),
+                           *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=False)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_cases_cover_what_the_benchmark_sweep_does_not():
+    kinds = {(c.op, c.pattern, jnp.dtype(c.dtype).name) for c in checks.CASES}
+    assert ("matmul", "sum_lt_m", "float32") in kinds and ("situ_glu", "sum_lt_m", "float32") in kinds
+    assert {c.pattern for c in checks.CASES} >= set(checks.PATTERNS)
+    assert any(c.m < 64 for c in checks.CASES)                          # less than one tile
+    assert any(c.k % 64 and c.n % 128 for c in checks.CASES)           # padded K and N
+    assert any(c.m >= 128 * c.groups for c in checks.CASES if c.op != "mlp")   # prefill tiles
+    assert np.all([c.m > 0 for c in checks.CASES])
