@@ -36,13 +36,9 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
-import json
-import math
 import os
 import re
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -51,6 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_report import Results, format_grouped_row, format_mlp_row
+from bench_timing import TIMERS, pick_timing, time_all
 
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
 
@@ -175,73 +174,6 @@ def mlp_cases(plan: Plan) -> list[MlpCase]:
 
 class KernelMismatch(RuntimeError):
     """The kernel failed or its output disagrees with the XLA reference."""
-
-
-def time_wallclock(fn: Callable, args: tuple, *, iters: int, target_s: float = 1e-3) -> float:
-    """Median seconds per call over ``iters`` samples; a sample is enough
-    back-to-back calls to last ~``target_s`` (so Python dispatch overlaps the
-    device work), ended by block_until_ready. fn has been compiled and run."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    single = max(time.perf_counter() - t0, 1e-7)
-    reps = int(min(max(math.ceil(target_s / single), 1), 100))
-    if single > 0.25:  # a very slow baseline (e.g. dense ragged_dot): fewer samples
-        iters = min(iters, 3)
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples)
-
-
-def time_cupti(fn: Callable, args: tuple, *, iters: int) -> float:
-    """Median over ``iters`` calls of the summed GPU kernel time of one call
-    (CUPTI, as jax's own Mosaic GPU benchmarks time: no dispatch, no gaps)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    if time.perf_counter() - t0 > 0.25:
-        iters = min(iters, 3)
-    _, per_call_ms = profiler.measure(fn, iterations=iters)(*args)
-    if per_call_ms is None:
-        raise RuntimeError("CUPTI saw no kernel launch")
-    per_call_ms = per_call_ms if isinstance(per_call_ms, list) else [per_call_ms]
-    return statistics.median(per_call_ms) / 1e3
-
-
-TIMERS = {"cupti": time_cupti, "wallclock": time_wallclock}
-
-
-def pick_timing(platform: str) -> str:
-    """"cupti" on a GPU where CUPTI works (tried on a small matmul), else "wallclock"."""
-    if platform != "gpu":
-        return "wallclock"
-    a = jnp.ones((256, 256), DTYPE)
-    try:
-        time_cupti(jax.jit(jnp.dot), (a, a), iters=2)
-        return "cupti"
-    except Exception as e:  # noqa: BLE001 -- e.g. CUPTI unavailable in this container
-        print(f"# CUPTI timing unavailable ({type(e).__name__}: {str(e)[:200]}); "
-              "timing wall-clock", file=sys.stderr)
-        return "wallclock"
-
-
-def time_all(fns: dict[str, Callable], args: tuple, *, iters: int, timing: str
-             ) -> tuple[dict[str, float], str]:
-    """Seconds per call of every fn, all with one method: ``timing``, or
-    wall-clock for all of them when CUPTI fails on one. Returns (times, method)."""
-    if timing == "cupti":
-        try:
-            return {name: time_cupti(fn, args, iters=iters) for name, fn in fns.items()}, "cupti"
-        except Exception as e:  # noqa: BLE001 -- fall back for this row only, and say so
-            print(f"# CUPTI failed ({type(e).__name__}: {str(e)[:200]}): wall-clock for this row",
-                  file=sys.stderr)
-    return {name: time_wallclock(fn, args, iters=iters) for name, fn in fns.items()}, "wallclock"
 
 
 def measure_ceilings(plan: Plan, iters: int, timing: str) -> dict:
@@ -376,51 +308,6 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
     return row
 
 
-class Results:
-    """The run's results; rewrites --json / --markdown after every row."""
-
-    def __init__(self, meta: dict, json_path: str | None, markdown_path: str | None):
-        self.data = {"meta": {**meta, "complete": False}, "ceilings": None, "grouped": [],
-                     "mlp": []}
-        self.json_path, self.markdown_path = json_path, markdown_path
-
-    def set_ceilings(self, ceilings: dict) -> None:
-        self.data["ceilings"] = ceilings
-        self.save()
-
-    def add(self, section: str, row: dict) -> None:
-        self.data[section].append(row)
-        self.save()
-
-    def finish(self, elapsed_s: float) -> None:
-        self.data["meta"].update(complete=True, elapsed_s=elapsed_s)
-        self.save()
-
-    @property
-    def rows(self) -> list[dict]:
-        return self.data["grouped"] + self.data["mlp"]
-
-    def save(self) -> None:
-        if self.json_path:
-            _replace_file(self.json_path, json.dumps(self.data, indent=1))
-        if self.markdown_path and self.data["ceilings"] is not None:
-            _replace_file(self.markdown_path, to_markdown(self.data))
-
-
-def _replace_file(path: str, text: str) -> None:
-    """Write text beside path, then rename over it: readers never see half a file.
-    (Self-contained: the GPU machine has jax and numpy, not k3jax's dependencies.)"""
-    fd, tmp = tempfile.mkstemp(prefix=".bench-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
     """fn(*args, **kwargs); with keep_going a KernelMismatch becomes an "error" row."""
     try:
@@ -545,100 +432,6 @@ def lower_all(plan: Plan) -> int:
     return failures
 
 
-def _fmt(row: dict, impl: str, key: str, spec: str) -> str:
-    return format(row[impl][key], spec) if impl in row else "-"
-
-
-def _status(row: dict) -> str | None:
-    """'skipped (why)' or 'ERROR ...' for a row that was not measured, else None."""
-    if "skipped" in row:
-        return f"skipped ({row['skipped']})"
-    if "error" in row:
-        return f"ERROR {row['error'][:200]}"
-    return None
-
-
-def format_grouped_row(r: dict) -> str:
-    head = f"{r['op']:<13} ep={r['ep']:<3} E={r['local_experts']:<4} tokens={r['tokens']:<6}"
-    if (status := _status(r)) is not None:
-        return f"{head} {status}"
-    bw = f"{_fmt(r, 'kernel', 'weight_tbps', '.2f')} TB/s ({_fmt(r, 'kernel', 'pct_copy', '.0f')}% copy)"
-    return (f"{head} rows={r['rows']:<7} kernel {_fmt(r, 'kernel', 'us', '10.1f')} us "
-            f"{_fmt(r, 'kernel', 'tflops', '6.1f')} TF/s ({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense)"
-            f" | xla {_fmt(r, 'xla', 'us', '10.1f')} us ({_fmt(r, 'xla', 'pct_dense', '4.1f')}%)"
-            f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else "")
-            + (f" | jax mosaic {_fmt(r, 'jax_mosaic', 'us', '.1f')} us" if "jax_mosaic" in r else ""))
-
-
-def format_mlp_row(r: dict) -> str:
-    head = f"situ_mlp_up   tp={r['tp']:<2} F={r['F']:<5} tokens={r['tokens']:<5}"
-    if (status := _status(r)) is not None:
-        return f"{head} {status}"
-    return (f"{head} kernel {_fmt(r, 'kernel', 'us', '9.1f')} us "
-            f"({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense, "
-            f"weights {_fmt(r, 'kernel', 'pct_copy', '.0f')}% copy) | xla "
-            f"{_fmt(r, 'xla', 'us', '9.1f')} us | x{r.get('speedup', float('nan')):.2f}")
-
-
-def _table(headers: list[str], lead: list[list], cells: list[list[str] | str]) -> list[str]:
-    """Markdown table rows: each row's lead columns, then its cells (or its
-    status string in the first cell and the remaining cells empty)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for lead_row, row_cells in zip(lead, cells, strict=True):
-        if isinstance(row_cells, str):
-            row_cells = [row_cells] + [""] * (len(headers) - len(lead_row) - 1)
-        lines.append("| " + " | ".join(str(c) for c in [*lead_row, *row_cells]) + " |")
-    return lines
-
-
-def to_markdown(result: dict) -> str:
-    """A snippet for BENCHMARKS.md: provenance, ceilings, one table per sweep."""
-    meta, ceil = result["meta"], result["ceilings"]
-    lines = [
-        f"### Pallas Mosaic GPU kernels: {meta['date']}"
-        + ("" if meta["complete"] else " (incomplete: the run was cut short)"),
-        "",
-        (f"- GPU: {meta['gpu']} ({meta['platform']}), jax {meta['jax_version']}, "
-         f"jaxlib {meta['jaxlib_version']}, kernel backend `{meta['kernel_backend']}`"),
-        f"- Command: `{meta['command']}`",
-        (f"- Ceilings: bf16 matmul {ceil['matmul_shape'][0]}^3 = {ceil['matmul_tflops']:.1f} TFLOP/s; "
-         f"elementwise copy = {ceil['copy_tbps']:.2f} TB/s (read + write)"),
-        (f"- Timing: {TIMING_WORDS[meta['timing']]}, median of {meta['iters']} after warm-up; "
-         f"kernel outputs checked against XLA (max rel err <= {CHECK_TOL})."),
-    ]
-    grouped = result["grouped"]
-    calls = sorted({", ".join(r["xla_custom_calls"]) or "none" for r in grouped
-                    if "xla_custom_calls" in r})
-    if calls:
-        lines.append(f"- Custom calls in XLA's compiled ragged_dot baseline: {'; '.join(calls)}.")
-    lines.append("")
-    lines += _table(
-        ["op", "EP", "local experts", "tokens", "rows", "kernel us", "XLA us", "speedup",
-         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)", "jax Mosaic ragged_dot us"],
-        [[r["op"], r["ep"], r["local_experts"], r["tokens"], r["rows"]] for r in grouped],
-        [_status(r) or [
-            _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
-            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f"),
-            _fmt(r, "xla", "pct_dense", ".1f"),
-            (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
-             if r["small"] else ""),
-            _fmt(r, "jax_mosaic", "us", ".1f") if r["op"] == "down" else ""] for r in grouped])
-    lines.append("")
-    mlp = result["mlp"]
-    lines += _table(
-        ["op", "tp", "D", "F", "tokens", "kernel us", "XLA us", "speedup", "kernel % dense"],
-        [["situ_mlp_up", r["tp"], r["D"], r["F"], r["tokens"]] for r in mlp],
-        [_status(r) or [
-            _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
-            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f")]
-         for r in mlp])
-    return "\n".join(lines) + "\n"
-
-
-TIMING_WORDS = {"cupti": "CUPTI kernel time per call (no dispatch)",
-                "wallclock": "wall clock per call over ~1 ms of back-to-back calls"}
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -720,7 +513,7 @@ def main(argv=None) -> int:
             "flax_version": _version("flax"), "kernel_backend": kernel_backend,
             "command": " ".join(["python", "benchmarks/gpu_kernels.py",
                                  *(sys.argv[1:] if argv is None else argv)]),
-            "smoke": args.smoke, "iters": iters, "top_k": plan.top_k,
+            "smoke": args.smoke, "iters": iters, "check_tol": CHECK_TOL, "top_k": plan.top_k,
             "num_experts": plan.num_experts}
     meta["timing"] = pick_timing(device.platform)
     results = Results(meta, args.json, args.markdown)

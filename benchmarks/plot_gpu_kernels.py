@@ -20,7 +20,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
+
+from bench_report import write_atomically
 
 PREFILL_TARGET_PCT = 70.0
 DECODE_TARGET_PCT = 60.0
@@ -95,15 +96,8 @@ def plot(result: dict, out_path: str) -> None:
     fig.suptitle(f"{meta['gpu']}, jax {meta['jax_version']}, {meta['date']}{suffix}"
                  + (f" ({left_out} rows skipped or failed)" if left_out else ""))
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(os.path.abspath(out_path)))
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out_path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        write_atomically(out_path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
         plt.close(fig)
 
