@@ -131,6 +131,12 @@ def check_mesh(mesh: Mesh | AbstractMesh, parallel: ParallelConfig, who: str) ->
                          f"({parallel.describe()})")
 
 
+class LayoutError(ValueError):
+    """The model cannot be laid out over a (valid) ParallelConfig: one of its
+    sizes does not split over the devices asked for. The caller's choice of
+    layout, not a bug or a checkpoint problem (the CLIs name the flags)."""
+
+
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (dp, tp) mesh over ``devices``.
 
@@ -235,7 +241,7 @@ def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpL
                          "no tensor parallelism" + (" (sharding needs sequence parallel)"
                                                     if parallel.shard_shared_expert else ""))
     if intermediate % tp:
-        raise ValueError(f"tensor parallel MLP: intermediate size {intermediate} is not "
+        raise LayoutError(f"tensor parallel MLP: intermediate size {intermediate} is not "
                          f"divisible by tp={tp}")
     return MlpLayout(MlpMode.TP, parallel, hidden, intermediate, (TENSOR,),
                      f"tensor parallel over tp={tp}")
@@ -246,7 +252,7 @@ def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: i
     devices splitting each expert's intermediate (1 under EP). Each shard takes
     ``intermediate // shards`` real columns, so ``shards`` must divide it."""
     if intermediate % shards:
-        raise ValueError(f"moe_intermediate_size {intermediate} is not divisible by the "
+        raise LayoutError(f"moe_intermediate_size {intermediate} is not divisible by the "
                          f"{shards} devices splitting each expert's intermediate")
     if shards > 1 and intermediate // shards < min_per_partition:
         return min_per_partition * shards
@@ -395,7 +401,7 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
     if parallel.expert_parallel:
         moe_mode = MoEMode.EP
         if cfg.num_experts % parallel.ep:
-            raise ValueError(f"expert parallel: num_experts {cfg.num_experts} is not divisible "
+            raise LayoutError(f"expert parallel: num_experts {cfg.num_experts} is not divisible "
                              f"by the EP size dp*tp = {parallel.ep}")
         shards = 1
         padding_shards = parallel.ep if parallel.pad_under_ep else 1
@@ -420,4 +426,4 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
-           "abstract_mesh", "padded_rows", "Dispatch", "check_mesh"]
+           "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError"]

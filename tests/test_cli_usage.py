@@ -54,6 +54,14 @@ def test_run_usage_errors_exit_2(flags, words, tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
+def test_bench_refuses_pallas_on_cpu_devices(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["bench", "--backend", "pallas", "--preset", "tiny", "--json", str(out)]) == 2
+    assert "--backend pallas needs a Hopper GPU, and the devices here are cpu" in \
+        one_line_error(capsys.readouterr().err)
+    assert os.listdir(tmp_path) == []
+
+
 def test_packed_mxfp4_that_does_not_fit_names_the_flag(mx_ckpt, capsys):
     argv = ["run", "--checkpoint", str(mx_ckpt), "--tp", "4", "--backend", "xla"]
     assert main(argv) == 2

@@ -14,20 +14,10 @@ from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource, local_blocks
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
-from k3jax.modules.moe import ExpertStorage, Mxfp4ShardError
+from k3jax.modules.moe import ExpertStorage
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
-
-
-class LayoutError(ValueError):
-    """The layer cannot be laid out as asked (the ParallelConfig, or packed
-    MXFP4 experts on this layout): the caller's choice, not a checkpoint
-    problem. ``packed_mxfp4``: loading the experts dequantized would avoid it."""
-
-    def __init__(self, message: str, packed_mxfp4: bool = False):
-        super().__init__(message)
-        self.packed_mxfp4 = packed_mxfp4
 
 
 def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
@@ -42,22 +32,17 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     in device memory (``mxfp4="packed"``, 0.53125 B per parameter,
     dequantized in the forward) or are dequantized to ``dtype`` on load
     (``"dequantize"``). ``progress`` shows a bar on a terminal's stderr, in
-    bytes read. Raises LayoutError when ``parallel`` (or packed MXFP4) cannot
-    hold the layer, CheckpointError for a checkpoint problem."""
+    bytes read. Raises k3jax.layout.LayoutError when ``parallel`` cannot hold
+    the layer (its subclass Mxfp4ShardError when only packed MXFP4 cannot:
+    ``mxfp4="dequantize"`` avoids it), CheckpointError for a checkpoint problem."""
     if mxfp4 not in ("packed", "dequantize"):
         raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     source = CheckpointSource(reader, layer)
-    try:
-        layout = make_layout(reader.config, parallel)
-    except ValueError as e:
-        raise LayoutError(str(e)) from None
+    layout = make_layout(reader.config, parallel)
     packed = source.experts_are_mxfp4 and mxfp4 == "packed"
     experts = ExpertStorage.MXFP4 if packed else ExpertStorage.DENSE
-    try:
-        decls = layer_decls(layout, layer, dtype, experts)
-    except ValueError as e:
-        raise LayoutError(str(e), packed_mxfp4=isinstance(e, Mxfp4ShardError)) from None
+    decls = layer_decls(layout, layer, dtype, experts)
     source.check(decls)
     mesh = make_mesh(parallel) if mesh is None else mesh
     if not progress:

@@ -10,6 +10,7 @@ import sys
 from k3jax.cli.common import (
     BACKENDS,
     UsageError,
+    check_backend,
     check_output,
     config_from_args,
     non_negative_float,
@@ -147,9 +148,7 @@ def _bench(args: argparse.Namespace) -> int:
     devices, simulated = _select_devices(args)
     n = len(devices)
     platform = devices[0].platform
-    if args.backend == "pallas" and platform == "cpu":
-        raise UsageError("--backend pallas needs a Hopper GPU and the sweep runs on CPU devices; "
-                         "use --backend interpret (or xla) instead")
+    check_backend(args.backend, platform)
     kind = "cpu" if platform == "cpu" else "accelerator"
     scale = args.scale or (default_cpu_scale(base.hidden_size) if platform == "cpu" else 1)
     experts, top_k = default_experts(base, n, platform)

@@ -57,11 +57,12 @@ def check_output(path: str | None, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {why}")
 
 
-def check_backend(backend: str) -> None:
-    """After JAX has started: --backend pallas needs a GPU (Mosaic GPU kernels)."""
-    if backend == "pallas" and jax.default_backend() != "gpu":
+def check_backend(backend: str, platform: str) -> None:
+    """--backend pallas needs the work to run on GPUs (Mosaic GPU kernels);
+    ``platform``: that of the devices the work runs on."""
+    if backend == "pallas" and platform != "gpu":
         raise UsageError(f"--backend pallas needs a Hopper GPU, and the devices here are "
-                         f"{jax.default_backend()}; use --backend interpret (or xla) instead")
+                         f"{platform}; use --backend interpret (or xla) instead")
 
 
 def report_errors(work: Callable[[], int], prog: str) -> int:

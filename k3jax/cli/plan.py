@@ -60,7 +60,7 @@ def _print(plan, as_json: bool) -> int:
 
 
 def _plan(args: argparse.Namespace):
-    from k3jax.layout import make_layout
+    from k3jax.layout import LayoutError
     from k3jax.modules.moe import Mxfp4ShardError
     from k3jax.plan import make_plan
 
@@ -69,14 +69,12 @@ def _plan(args: argparse.Namespace):
     try:
         if args.pad_under_ep:
             parallel = dataclasses.replace(parallel, pad_under_ep=True)
-        make_layout(cfg, parallel)
-    except ValueError as e:
-        raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
-    try:
         return make_plan(cfg, parallel, tokens=args.tokens, dtype=args.dtype,
                          expert_dtype=args.expert_dtype, source=source)
     except Mxfp4ShardError as e:
         raise UsageError(f"{e} (--expert-dtype bfloat16)") from None
+    except LayoutError as e:
+        raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -159,13 +159,14 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
     import jax.numpy as jnp
     from flax import nnx
 
-    check_backend(args.backend)
+    check_backend(args.backend, jax.default_backend())
     require_devices(parallel.num_devices)
 
-    from k3jax.checkpoint import LayoutError, load_layer, make_synthetic_checkpoint
+    from k3jax.checkpoint import load_layer, make_synthetic_checkpoint
     from k3jax.config import TINY
-    from k3jax.layout import make_mesh
+    from k3jax.layout import LayoutError, make_mesh
     from k3jax.memory import format_bytes, param_shard_bytes
+    from k3jax.modules.moe import Mxfp4ShardError
 
     with tempfile.TemporaryDirectory(prefix="k3jax-tiny-") as tmp:
         if args.checkpoint is None:
@@ -182,9 +183,9 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
         try:
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                                 backend=args.backend, mxfp4=args.mxfp4, progress=True)
+        except Mxfp4ShardError as e:
+            raise UsageError(f"{e} (--mxfp4 dequantize)") from None
         except LayoutError as e:
-            if e.packed_mxfp4:
-                raise UsageError(f"{e} (--mxfp4 dequantize)") from None
             raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
 
         graphdef, state = nnx.split(module)

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.config import K3Config
-from k3jax.layout import TENSOR, Dispatch, Layout, MlpMode, MoEMode, check_mesh
+from k3jax.layout import TENSOR, Dispatch, Layout, LayoutError, MlpMode, MoEMode, check_mesh
 from k3jax.modules.mlp import MLP_LOCAL, KimiMLP, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
@@ -88,7 +88,7 @@ def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
             ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
 
 
-class Mxfp4ShardError(ValueError):
+class Mxfp4ShardError(LayoutError):
     """Packed MXFP4 experts cannot be split this way (a shard would cut a
     32-wide scale block); dense (dequantized) expert storage can."""
 
