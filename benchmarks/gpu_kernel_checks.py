@@ -57,6 +57,25 @@ class Case:
         dtype = jnp.dtype(self.dtype).name
         return f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} {dtype}"
 
+    def fn(self, backend: str):
+        """The kernel on ``backend``: f(x, w, sizes) | f(x, w_gate, w_up, sizes) |
+        f(x, gate_DF, up_DF) for "matmul" | "situ_glu" | "mlp"."""
+        if self.op == "matmul":
+            return lambda x, w, s: grouped_matmul(x, w, s, backend=backend)
+        if self.op == "situ_glu":
+            return lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=backend, **SITU)
+        return lambda x, a, b: situ_mlp_up(x, a, b, backend=backend, **SITU)
+
+    def arg_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shapes and dtypes of fn's arguments."""
+        S = jax.ShapeDtypeStruct
+        x = S((self.m, self.k), self.dtype)
+        if self.op == "mlp":
+            return x, S((self.k, self.n), self.dtype), S((self.k, self.n), self.dtype)
+        w = S((self.groups, self.k, self.n), self.dtype)
+        sizes = S((self.groups,), jnp.int32)
+        return (x, w, sizes) if self.op == "matmul" else (x, w, w, sizes)
+
 
 def _grouped(op: str, m: int, k: int, n: int, g: int, patterns, dtypes) -> list[Case]:
     return [Case(op, m, k, n, g, p, d) for p in patterns for d in dtypes]
@@ -83,21 +102,17 @@ def run_case(case: Case, backend: str, seed: int) -> dict:
     """Run the kernel twice on fresh random inputs; check against float64."""
     num_weights = 1 if case.op == "matmul" else 2
     x, ws = kc.grouped_inputs(seed, case.m, case.k, case.n, case.groups, case.dtype, num_weights)
+    fn = jax.jit(case.fn(backend))
     if case.op == "mlp":
         sizes = np.array([case.m], np.int32)
-        fn = jax.jit(lambda x, a, b: situ_mlp_up(x, a, b, backend=backend, **SITU))
         args = (x, ws[0][0], ws[1][0])
         ref = kc.np_grouped_situ_glu(x, ws[0], ws[1], sizes)
     else:
         sizes = kc.group_pattern(case.pattern, case.m, case.groups)
         x = kc.poison_tail(x, sizes)
-        if case.op == "matmul":
-            fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend=backend))
-            ref = kc.np_grouped_matmul(x, ws[0], sizes)
-        else:
-            fn = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=backend, **SITU))
-            ref = kc.np_grouped_situ_glu(x, ws[0], ws[1], sizes)
         args = (x, *ws, jnp.asarray(sizes))
+        ref = (kc.np_grouped_matmul(x, ws[0], sizes) if case.op == "matmul"
+               else kc.np_grouped_situ_glu(x, ws[0], ws[1], sizes))
     first = np.asarray(jax.block_until_ready(fn(*args)))
     second = np.asarray(jax.block_until_ready(fn(*args)))
     if not np.array_equal(first.view(np.uint8), second.view(np.uint8)):

@@ -55,20 +55,8 @@ def test_a_wrong_kernel_and_a_nondeterministic_one_fail(monkeypatch):
 
 
 def test_every_case_lowers_for_sm90():
-    S = jax.ShapeDtypeStruct
     for case in checks.CASES:
-        x = S((case.m, case.k), case.dtype)
-        w = S((case.groups, case.k, case.n), case.dtype)
-        sizes = S((case.groups,), jnp.int32)
-        if case.op == "matmul":
-            fn, specs = (lambda x, w, s: checks.grouped_matmul(x, w, s, backend="pallas")), (x, w, sizes)
-        elif case.op == "situ_glu":
-            fn = lambda x, a, b, s: checks.grouped_situ_glu(x, a, b, s, backend="pallas", **checks.SITU)  # noqa: E731
-            specs = (x, w, w, sizes)
-        else:
-            fn = lambda x, a, b: checks.situ_mlp_up(x, a, b, backend="pallas", **checks.SITU)  # noqa: E731
-            specs = (x, S((case.k, case.n), case.dtype), S((case.k, case.n), case.dtype))
-        assert "mosaic_gpu" in kc.lower_for_sm90(fn, *specs), case.name
+        assert "mosaic_gpu" in kc.lower_for_sm90(case.fn("pallas"), *case.arg_specs()), case.name
 
 
 @pytest.mark.parametrize("argv, words", [
