@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.k3jax-installed"
+EXTRAS="torch,dev,gpu-compile,triton,tokamax"
 
 find_python312() {
   local c
@@ -40,8 +41,8 @@ ensure_venv() {
     echo "k3jax: creating $VENV with $py" >&2
     "$py" -m venv "$VENV"
   fi
-  echo "k3jax: installing k3jax[torch,dev] into $VENV (first run: a few minutes)" >&2
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[torch,dev]" >&2
+  echo "k3jax: installing k3jax[$EXTRAS] into $VENV (first run: a few minutes)" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[$EXTRAS]" >&2
   echo "$want" > "$STAMP"
 }
 

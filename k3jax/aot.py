@@ -1,0 +1,158 @@
+"""Compiling for H200 GPUs on a machine without one (deviceless AOT).
+
+jax 0.11.2 compiles for CUDA from a CPU-only process when the CUDA plugin is
+installed (the ``gpu-compile`` extra) and ``JAX_PLATFORMS=cpu``: XLA's GPU
+pipeline runs (latency-hiding schedule, buffer assignment) and Mosaic GPU
+kernels go through LLVM and ptxas. Nothing is allocated and no GPU is touched.
+
+    topo = h200_topology(8)                    # 8 compile-only H200 devices
+    mesh = h200_mesh(ParallelConfig(tp=8))     # the (data, tensor) mesh on them
+    with ptxas_dump() as reports:              # Mosaic kernels' ptxas reports
+        compiled = jax.jit(f).lower(*abstract_args_on(mesh)).compile()
+    reports()                                  # [PtxasReport(...), ...]
+
+The target (``k3jax/targets/h200.txtpb``) says where each number comes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from k3jax.layout import MESH_AXES, ParallelConfig
+
+TARGET_FILE = Path(__file__).parent / "targets" / "h200.txtpb"
+GPU_COMPILE_EXTRA = "gpu-compile"
+
+
+class GpuCompileUnavailable(RuntimeError):
+    """The CUDA plugin or ptxas this needs is not installed."""
+
+
+def h200_target_config() -> str:
+    """The H200 GpuTargetConfigProto text (k3jax/targets/h200.txtpb)."""
+    return TARGET_FILE.read_text()
+
+
+def _nvcc_wheel_bin() -> Path | None:
+    """The bin folder of the ``nvidia-cuda-nvcc`` wheel (ptxas), if installed."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for sub in ("cu13/bin", "cuda_nvcc/bin"):
+            candidate = Path(root) / sub
+            if (candidate / "ptxas").exists():
+                return candidate
+    return None
+
+
+def pin_wheel_ptxas() -> Path:
+    """Put the nvidia-cuda-nvcc wheel's ptxas first on PATH (Mosaic looks on
+    PATH before the wheel; XLA uses the wheel's), so one ptxas compiles all."""
+    bin_dir = _nvcc_wheel_bin()
+    if bin_dir is None:
+        raise GpuCompileUnavailable(
+            f"ptxas not found: install the {GPU_COMPILE_EXTRA} extra "
+            f"(pip install 'k3jax[{GPU_COMPILE_EXTRA}]')")
+    path = os.environ.get("PATH", "")
+    if not path.startswith(str(bin_dir) + os.pathsep):
+        os.environ["PATH"] = str(bin_dir) + os.pathsep + path
+    return bin_dir / "ptxas"
+
+
+@functools.lru_cache(maxsize=8)
+def h200_topology(num_devices: int):
+    """``num_devices`` compile-only H200 devices in one process (one host)."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    from jax.experimental import topologies
+    pin_wheel_ptxas()
+    try:
+        return topologies.get_topology_desc(platform="cuda", target_config=h200_target_config(),
+                                            topology=f"1x1x{num_devices}")
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise GpuCompileUnavailable(
+            f"cannot compile for CUDA here ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            f"install the {GPU_COMPILE_EXTRA} extra and run with JAX_PLATFORMS=cpu") from None
+
+
+def h200_mesh(parallel: ParallelConfig) -> Mesh:
+    """The (data, tensor) mesh of ``parallel`` over compile-only H200 devices
+    (Auto axis types, as ``k3jax.layout.make_mesh``)."""
+    devices = h200_topology(parallel.num_devices).devices
+    return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+    """ptxas's resource report for one Mosaic GPU kernel (sm_90a)."""
+
+    name: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    warnings: tuple[str, ...]
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(name: str, text: str) -> PtxasReport:
+    """A PtxasReport from ptxas's ``-v`` output for one kernel."""
+    regs = _REGISTERS.search(text)
+    spills = _SPILLS.search(text)
+    if regs is None:
+        raise ValueError(f"ptxas report of {name} has no register count:\n{text[:500]}")
+    warnings = tuple(line.strip() for line in text.splitlines() if "ptxas warning" in line)
+    return PtxasReport(name=name, registers=int(regs.group(1)),
+                       spill_store_bytes=int(spills.group(1)) if spills else 0,
+                       spill_load_bytes=int(spills.group(2)) if spills else 0,
+                       warnings=warnings)
+
+
+@contextlib.contextmanager
+def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
+    """Inside: Mosaic GPU kernels compiled by this process dump their ptxas
+    report (MOSAIC_GPU_DUMP_TO, read at compile time). Yields a function
+    returning the reports written so far, in compile order."""
+    pin_wheel_ptxas()
+    folder = tempfile.mkdtemp(prefix="k3jax-mosaic-")
+    saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")}
+    os.environ["MOSAIC_GPU_DUMP_TO"] = folder
+    os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+
+    def reports() -> list[PtxasReport]:
+        files = sorted(Path(folder).glob("*.ptxas"), key=lambda p: p.stat().st_mtime_ns)
+        return [parse_ptxas(p.stem, p.read_text()) for p in files]
+
+    try:
+        yield reports
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+__all__ = ["TARGET_FILE", "GpuCompileUnavailable", "PtxasReport", "h200_mesh", "h200_target_config",
+           "h200_topology", "parse_ptxas", "pin_wheel_ptxas", "ptxas_dump"]
