@@ -16,8 +16,13 @@ group). The three layouts of an MLP and of the routed experts:
     MoEMode.LOCAL        every expert whole on every device
     MoEMode.TP           each expert's intermediate split over TENSOR (padded);
                          the routed latent is summed before the RMSNorm
-    MoEMode.EP           whole experts over (DATA, TENSOR); no padding; rows
-                         are all-gathered and the routed latent reduce-scattered
+    MoEMode.EP           whole experts over (DATA, TENSOR); no padding. Under
+                         sequence parallelism (or tp 1) rows are all-gathered
+                         and the routed latent reduce-scattered over every
+                         axis; over plain TP rows stay replicated over TENSOR
+                         (all-gathered over DATA only) and the routed latent is
+                         reduce-scattered over DATA, then all-reduced over
+                         TENSOR together with the shared expert's TP partial
 """
 
 from __future__ import annotations
@@ -72,9 +77,6 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelConfig: sequence_parallel needs tp > 1 "
                              "(it splits tokens over the tensor axis)")
-        if self.expert_parallel and self.tp > 1 and not self.sequence_parallel:
-            raise ValueError("ParallelConfig: expert_parallel with tp > 1 needs "
-                             "sequence_parallel (tokens must be split over every expert axis)")
         if self.pad_under_ep and not self.expert_parallel:
             raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
         if self.shard_shared_expert is None:
@@ -273,9 +275,13 @@ class Dispatch(enum.Enum):
 
     OWN_ROWS     each device routes its own rows; they are all-gathered over
                  ``Layout.dispatch_axes`` (none: LOCAL) and the float32 routed
-                 latent reduce-scattered back (LOCAL, TP under SP, EP).
-    ALL_REDUCE   plain TP: rows replicated over TENSOR; the routed latent and
-                 the shared expert's partial sums are all-reduced together.
+                 latent reduce-scattered back (LOCAL, TP under SP, EP under SP
+                 or with tp 1).
+    ALL_REDUCE   tp > 1 without SP (TP, or EP over plain TP): rows replicated
+                 over TENSOR; under EP with dp > 1 they are all-gathered over
+                 DATA (``Layout.dispatch_axes``) and the float32 routed latent
+                 reduce-scattered over DATA; then the routed latent and the
+                 shared expert's partial sums are all-reduced over TENSOR together.
     """
 
     OWN_ROWS = "own-rows"
@@ -313,9 +319,12 @@ class Layout:
     # -- routed experts --------------------------------------------------------
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """Axes that hold different experts: under EP the token axes (every
-        axis of size > 1, as EP with tp > 1 requires sequence parallelism)."""
-        return self.token_axes if self.moe_mode is MoEMode.EP else ()
+        """Axes that hold different experts: under EP every axis of size > 1
+        ((DATA, TENSOR) when tp > 1, with or without sequence parallelism;
+        (DATA,) when tp is 1)."""
+        if self.moe_mode is not MoEMode.EP:
+            return ()
+        return MESH_AXES if self.parallel.tp > 1 else (DATA,)
 
     @property
     def local_experts(self) -> int:
@@ -349,18 +358,22 @@ class Layout:
     @property
     def dispatch(self) -> Dispatch:
         """Which per-device MoE body runs (modules.moe and the planner read this)."""
-        if self.moe_mode is MoEMode.TP and not self.parallel.sequence_parallel:
+        if self.parallel.tp > 1 and not self.parallel.sequence_parallel:
             return Dispatch.ALL_REDUCE
         return Dispatch.OWN_ROWS
 
     @property
     def dispatch_axes(self) -> tuple[str, ...]:
         """Axes over which token rows are all-gathered before the routed experts
-        and their latent reduce-scattered after: every axis under EP, TENSOR
-        for a tensor-parallel MoE under SP, none otherwise (plain TP holds all
-        rows already and all-reduces instead; EP on one device has nobody to
-        exchange with, and XLA would keep the no-op collectives)."""
+        and their latent reduce-scattered after: every axis under EP (DATA
+        only for EP over plain TP, whose rows are already whole on TENSOR),
+        TENSOR for a tensor-parallel MoE under SP, none otherwise (plain TP
+        holds all rows already and all-reduces instead; EP on one device, or
+        EP over plain TP with dp 1, has nobody to exchange rows with, and XLA
+        would keep the no-op collectives)."""
         if self.moe_mode is MoEMode.EP:
+            if self.dispatch is Dispatch.ALL_REDUCE:
+                return (DATA,) if self.parallel.dp > 1 else ()
             return self.expert_axes if self.parallel.ep > 1 else ()
         if self.moe_mode is MoEMode.TP and self.parallel.sequence_parallel:
             return (TENSOR,)
@@ -378,7 +391,7 @@ class Layout:
         exist: the shared expert is an independent branch that XLA may overlap,
         in every layout but one. Under plain TP the shared expert's partial sum
         is folded into the routed path's all-reduce (one all-reduce for both),
-        so it is fused rather than overlapped.
+        so it is fused rather than overlapped (TP and EP over plain TP alike).
         """
         return self.shared_mlp.mode is not MlpMode.TP
 

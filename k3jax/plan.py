@@ -176,8 +176,9 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
       (int32) and weights (float32); reduce-scatter of the float32 routed
       latent; an SP-sharded shared expert adds an all-gather of its D-wide rows
       (activation dtype) and a float32 reduce-scatter over TENSOR.
-    Dispatch.ALL_REDUCE (moe_tp_local, plain TP): one float32 all-reduce of
-      [rows, L + D] over TENSOR.
+    Dispatch.ALL_REDUCE (moe_tp_local, tp > 1 without SP): under EP with
+      dp > 1 the same three all-gathers and one reduce-scatter over DATA
+      (``dispatch_axes``); then one float32 all-reduce of [rows, L + D] over TENSOR.
     EP on one device has no ``dispatch_axes``, so it issues (and lists) none.
     """
     if tokens < 1:
@@ -188,11 +189,6 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
     local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
     act = str(jnp.dtype(act_dtype))
     out: list[Collective] = []
-    if layout.dispatch is Dispatch.ALL_REDUCE:
-        out.append(Collective("all-reduce", (TENSOR,), par.tp,
-                              "routed latent + shared-expert partial sums",
-                              (local_rows, L + D), "float32"))
-        return out
     axes = layout.dispatch_axes
     if axes:
         group = math.prod(sizes[a] for a in axes)
@@ -202,6 +198,11 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
                 Collective("all-gather", axes, group, "top-k weights", (rows, K), "float32")]
         out.append(Collective("reduce-scatter", axes, group, "routed latent (partial sums)",
                               (rows, L), "float32"))
+    if layout.dispatch is Dispatch.ALL_REDUCE:
+        out.append(Collective("all-reduce", (TENSOR,), par.tp,
+                              "routed latent + shared-expert partial sums",
+                              (local_rows, L + D), "float32"))
+        return out
     if layout.shared_mlp.mode is MlpMode.SP_SHARDED:
         rows = local_rows * par.tp
         out += [Collective("all-gather", (TENSOR,), par.tp, "shared-expert input rows", (rows, D), act),

@@ -38,6 +38,9 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "sp_ep_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
                                           shard_shared_expert=True),
     "ep_dp8": ParallelConfig(dp=8, expert_parallel=True),
+    # EP over plain TP (issue 14): rows replicated over TENSOR, experts over every device.
+    "ep_tp8": ParallelConfig(tp=8, expert_parallel=True),
+    "ep_dp2_tp4": ParallelConfig(dp=2, tp=4, expert_parallel=True),
 }
 MULTI_DEVICE = [name for name in LAYOUTS if name != "single"]
 # Not one of the issue's layouts: vLLM's pre-fix padding under EP, for the padding tests.

@@ -206,7 +206,7 @@ def test_argparse_usage_errors_exit_2(argv, words, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "3", "--devices", "8"], "--devices 8 is not divisible by --tp 3"),
     (["--sequence-parallel"], "sequence_parallel needs tp > 1"),
-    (["--tp", "8", "--expert-parallel", "--devices", "8"], "needs sequence_parallel"),
+    (["--dp", "3", "--tp", "2", "--expert-parallel", "--devices", "6"], "not divisible by the EP size"),
     (["--dp", "2", "--tp", "2", "--devices", "8"], "does not match --devices 8"),
 ])
 def test_layout_usage_errors_exit_2(argv, words, tmp_path, capsys):

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from k3jax import TINY, MlpMode, MoEMode, make_layout
+from k3jax.layout import Dispatch
 from layout_cases import LAYOUTS, compiled_hlo, count_collectives
 
 T = 64                      # divides every layout's row blocks
@@ -116,6 +117,8 @@ MOE_EXPECTED = {
     "sp_ep_tp8_shard": DISPATCH + SHARDED_SHARED,
     "sp_ep_dp2_tp4_shard": DISPATCH + SHARDED_SHARED,
     "ep_dp8": DISPATCH,
+    "ep_tp8": Counter({AR: 1}),
+    "ep_dp2_tp4": DISPATCH + Counter({AR: 1}),
 }
 
 
@@ -132,13 +135,17 @@ def test_moe_collectives(eight_devices, name):
     # the expectation follows from the layout's modes (not just from the name)
     if layout.moe_mode is MoEMode.LOCAL:
         assert not got
+    elif layout.dispatch is Dispatch.ALL_REDUCE:
+        # plain TP, or EP over plain TP: one all-reduce over TENSOR, plus the
+        # row dispatch over DATA when EP has more than one data group
+        assert got == (DISPATCH if layout.dispatch_axes else Counter()) + Counter({AR: 1})
+        assert layout.shared_overlaps_routed is False
     elif layout.dispatch_axes:
         shared = SHARDED_SHARED if layout.shared_mlp.mode is MlpMode.SP_SHARDED else Counter()
         assert got == DISPATCH + shared
         assert layout.shared_mlp.mode in (MlpMode.SP_SHARDED, MlpMode.REPLICATED)
     else:
-        assert got == Counter({AR: 1}) and layout.moe_mode is MoEMode.TP
-        assert layout.shared_overlaps_routed is False
+        raise AssertionError(f"{name}: a layout this test does not know")
 
 
 @pytest.mark.parametrize("replicated, sharded", [("sp_tp8_repl", "sp_tp8_shard"),
@@ -161,3 +168,13 @@ def test_ep_collectives_span_both_mesh_axes(eight_devices):
     assert len(both) + len(tensor) == len(axes), axes
     assert RS in both and AG in both
     assert sorted(tensor) == [AG, RS]
+
+
+def test_ep_over_plain_tp_dispatches_over_data_and_reduces_over_tensor(eight_devices):
+    """EP over dp2 x tp4 without SP: rows of the other data group reach the
+    experts here by all-gathers over DATA, their latent returns by a
+    reduce-scatter over DATA, and the routed latent + shared partial share one
+    all-reduce over TENSOR. With dp 1 (ep_tp8) only the all-reduce remains."""
+    axes = Counter(replica_axes(hlo("ep_dp2_tp4", "moe")))
+    assert axes == Counter({(AG, "{'data'}"): 3, (RS, "{'data'}"): 1, (AR, "{'tensor'}"): 1}), axes
+    assert Counter(replica_axes(hlo("ep_tp8", "moe"))) == Counter({(AR, "{'tensor'}"): 1})

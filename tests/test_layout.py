@@ -198,7 +198,6 @@ def test_experts_must_divide_the_ep_size():
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"tp": 1, "sequence_parallel": True}, r"sequence_parallel needs tp > 1"),
     ({"dp": 8, "sequence_parallel": True}, r"sequence_parallel needs tp > 1"),
-    ({"tp": 8, "expert_parallel": True}, r"expert_parallel with tp > 1 needs sequence_parallel"),
     ({"tp": 8, "pad_under_ep": True}, r"pad_under_ep only means something with expert_parallel"),
     ({"dp": 0}, r"ParallelConfig.dp must be a positive integer, got 0"),
     ({"tp": 2.0}, r"ParallelConfig.tp must be a positive integer, got 2.0"),
@@ -287,6 +286,10 @@ LAYOUT_TABLE = {
                             (DATA, TENSOR), 8, (DATA, TENSOR), (DATA, TENSOR), True),
     "ep_dp8": (ParallelConfig(dp=8, expert_parallel=True), MoEMode.EP, REPL, (DATA,), 8, (DATA,),
                (DATA,), True),
+    "ep_tp8": (ParallelConfig(tp=8, expert_parallel=True), MoEMode.EP, TP, (DATA,), 1,
+               (DATA, TENSOR), (), False),
+    "ep_dp2_tp4": (ParallelConfig(dp=2, tp=4, expert_parallel=True), MoEMode.EP, TP, (DATA,), 2,
+                   (DATA, TENSOR), (DATA,), False),
 }
 
 
@@ -302,7 +305,7 @@ def test_layout_properties(name):
     assert layout.x_TD == P(token_axes, None)
     assert layout.expert_axes == expert_axes
     assert layout.dispatch_axes == dispatch_axes
-    plain_tp = moe_mode is MoEMode.TP and not par.sequence_parallel
+    plain_tp = par.tp > 1 and not par.sequence_parallel      # TP, or EP over plain TP
     assert layout.dispatch is (Dispatch.ALL_REDUCE if plain_tp else Dispatch.OWN_ROWS)
     assert (layout.dispatch is Dispatch.ALL_REDUCE) is (shared_mode is MlpMode.TP)
     assert layout.local_experts == (16 // par.num_devices if moe_mode is MoEMode.EP else 16)

@@ -89,7 +89,7 @@ def test_layout_matches_single_device_fp32(eight_devices, name, layer, T):
     assert err < FP32_TOL, f"{name} {layer} T={T}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["dp2_tp4", "sp_ep_tp8_shard", "sp_ep_dp2_tp4_shard"])
+@pytest.mark.parametrize("name", ["dp2_tp4", "sp_ep_tp8_shard", "sp_ep_dp2_tp4_shard", "ep_dp2_tp4"])
 def test_grouped_topk_layouts_match_single_device(eight_devices, name):
     """TINY_GROUPED (4 groups, keep 2): grouped routing is per row, so every
     layout must select the same experts."""

@@ -78,6 +78,10 @@ def test_shared_expert_figures():
     (ep(16, pad_under_ep=True), 56, 4096, 4096, "120.54"),
     (ep(32, pad_under_ep=True), 28, 8192, 8192, "120.54"),
     (ParallelConfig(dp=32, expert_parallel=True, pad_under_ep=True), 28, 8192, 8192, "120.54"),
+    # EP over plain TP (vLLM's --tp 16 --expert-parallel), with and without the old padding
+    (ParallelConfig(tp=16, expert_parallel=True), 56, 3072, 3072, "90.40"),
+    (ParallelConfig(tp=16, expert_parallel=True, pad_under_ep=True), 56, 4096, 4096, "120.54"),
+    (ParallelConfig(dp=2, tp=8, expert_parallel=True), 56, 3072, 3072, "90.40"),
 ])
 def test_routed_expert_figures(parallel, local_experts, i_local, padded, gb):
     plan = make_plan(K3, parallel)
@@ -144,6 +148,9 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
      routed_bytes(56, 4096), "120.54"),
     (["--dp", "4", "--tp", "8", "--sequence-parallel", "--expert-parallel", "--pad-under-ep"],
      "routed_experts", routed_bytes(28, 8192), "120.54"),
+    (["--tp", "16", "--expert-parallel"], "routed_experts", 90_403_504_128, "90.40"),
+    (["--tp", "16", "--expert-parallel", "--pad-under-ep"], "routed_experts", 120_538_005_504,
+     "120.54"),
     (["--tp", "4", "--sequence-parallel"], "shared_experts", SHARED_PER_LAYER * 92, "22.640625"),
     (["--tp", "4", "--sequence-parallel", "--shard-shared-expert"], "shared_experts",
      SHARED_PER_LAYER * 92 // 4, "5.66015625"),
@@ -183,7 +190,7 @@ def test_cli_human_table(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "6", "--expert-parallel"], "not divisible by the EP size"),
-    (["--tp", "8", "--expert-parallel"], "needs sequence_parallel"),
+    (["--tp", "6", "--expert-parallel"], "not divisible by the EP size"),
     (["--preset", "tiny", "--tp", "8"], "multiple of 32"),
     (["--config", "/nonexistent/config.json"], "not found"),
 ])
@@ -296,7 +303,7 @@ def planned_as_hlo(layout, tokens: int, dtype: str):
     return out
 
 
-@pytest.mark.parametrize("name", ["tp8", "dp2_tp4", "sp_tp8_repl", "sp_tp8_shard",
+@pytest.mark.parametrize("name", ["tp8", "dp2_tp4", "ep_tp8", "ep_dp2_tp4", "sp_tp8_repl", "sp_tp8_shard",
                                   "sp_dp2_tp4_shard", "sp_ep_tp8_repl", "sp_ep_tp8_shard",
                                   "sp_ep_dp2_tp4_shard", "sp_ep_dp2_tp4_repl", "ep_dp8", "dp8"])
 def test_collectives_match_compiled_hlo(eight_devices, name):

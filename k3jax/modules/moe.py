@@ -20,9 +20,12 @@ Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch`
                      held here run, and the float32 latent is reduce-scattered
                      back before the RMSNorm. Covers LOCAL (no axes), TP under
                      SP (TENSOR) and EP (all).
-    moe_tp_local     Dispatch.ALL_REDUCE (plain TP): rows replicated over
-                     TENSOR, every expert's F split; the routed latent and the
-                     shared expert's partial sum are all-reduced in one psum.
+    moe_tp_local     Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated
+                     over TENSOR; every expert's F split (TP) or whole experts
+                     over (DATA, TENSOR) (EP over plain TP: rows all-gathered
+                     and the latent reduce-scattered over DATA when dp > 1);
+                     the routed latent and the shared expert's partial sum
+                     are all-reduced over TENSOR in one psum.
 """
 
 from __future__ import annotations
@@ -176,17 +179,29 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
 
 def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
                  experts: ExpertStorage):
-    """Dispatch.ALL_REDUCE (plain TP): rows replicated over TENSOR, every
-    expert's F split; the float32 routed latent [T, L] and the shared expert's
-    float32 partial [T, D] are summed over TENSOR in one all-reduce of
-    [T, L + D]."""
+    """Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated over TENSOR.
+    TP: every expert's F split. EP over plain TP: the experts held here are
+    whole (global ids from ``first_expert``); with dp > 1 lat/ids/weights are
+    first all-gathered over DATA ([T * dp, .], ``layout.dispatch_axes``) and
+    the float32 routed latent reduce-scattered back to [T, L] over DATA.
+    Then the float32 routed latent [T, L] (partial over F or over experts) and
+    the shared expert's float32 partial [T, D] are summed over TENSOR in one
+    all-reduce of [T, L + D]."""
     if layout.shared_mlp.mode is not MlpMode.TP:
         raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
     cfg = layout.cfg
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
     lat_TL = matmul(x_TD, p["lat_down_DL"])
+    axes = layout.dispatch_axes
+    if axes:
+        lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
+    first_expert = 0
+    if layout.moe_mode is MoEMode.EP:
+        first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
     r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
-                          backend=backend)
+                          first_expert=first_expert, backend=backend)
+    if axes:
+        r_TL = scatter_rows(r_TL, axes)
     shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
     L = r_TL.shape[1]
     both = jax.lax.psum(jnp.concatenate([r_TL, shared_TD], axis=1), TENSOR)
