@@ -13,6 +13,11 @@ group). The three layouts of an MLP and of the routed experts:
                          float32 reduce-scatter rows -> activation dtype
     MlpMode.TP           same split, rows replicated over TENSOR; all-reduce
 
+An SP-sharded MLP issues its gather and scatter either as the two collectives
+(``SharedOverlap.NONE``) or as two rings of tp - 1 collective-permutes each,
+every block's matmul running while the next block travels
+(``SharedOverlap.RING``, k3jax.collective_matmul).
+
     MoEMode.LOCAL        every expert whole on every device
     MoEMode.TP           each expert's intermediate split over TENSOR (padded);
                          the routed latent is summed before the RMSNorm
@@ -48,6 +53,27 @@ SHARD_SHARED_EXPERT_ENV = "K3JAX_SHARD_SP_SHARED_EXPERT"
 # --------------------------------------------------------------------------
 # ParallelConfig and the mesh
 # --------------------------------------------------------------------------
+class SharedOverlap(enum.Enum):
+    """How an SP-sharded MLP (shared expert, dense layer 0) moves its rows.
+
+    NONE   one all-gather of the input rows and one float32 reduce-scatter of
+           the partial sums; XLA decides what overlaps them.
+    RING   the same bytes as tp - 1 collective-permutes each way around the
+           tensor-axis ring, each block's gate/up (or down) matmul running
+           while the next block is in flight (k3jax.collective_matmul).
+    """
+
+    NONE = "none"
+    RING = "ring"
+
+
+DEFAULT_SHARED_OVERLAP = SharedOverlap.RING
+"""The default, chosen by the compiled 8 x H200 schedule of the K3 layers
+(tests/test_overlap_schedule.py): with RING every block's transfer is in
+flight across a matmul; with NONE XLA runs the dense layer's all-gather and
+reduce-scatter synchronously."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the block is spread over a (dp, tp) mesh.
@@ -60,6 +86,8 @@ class ParallelConfig:
       resolves to False without reading the variable (it cannot matter).
     pad_under_ep: reproduce vLLM's pre-fix behaviour (padding applied under EP).
       For side-by-side comparisons only; the padding is zeros, so outputs agree.
+    shared_overlap: how an SP-sharded shared expert / dense MLP moves its
+      rows (SharedOverlap); read only where an MLP is SP-sharded.
     """
 
     dp: int = 1
@@ -68,8 +96,12 @@ class ParallelConfig:
     expert_parallel: bool = False
     shard_shared_expert: bool | None = None
     pad_under_ep: bool = False
+    shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shared_overlap, SharedOverlap):
+            raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
+                             f"got {self.shared_overlap!r}")
         for name in ("dp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -185,6 +217,7 @@ class MlpLayout:
     weight_axes: the mesh axes that split the intermediate F ((): replicated).
     gate_DF / up_DF / down_FD: the weights' PartitionSpecs.
     reason: why this mode was chosen (printed by the CLI).
+    overlap: how an SP_SHARDED MLP moves its rows (NONE in the other modes).
     """
 
     mode: MlpMode
@@ -193,6 +226,12 @@ class MlpLayout:
     intermediate: int
     weight_axes: tuple[str, ...]
     reason: str
+    overlap: SharedOverlap = SharedOverlap.NONE
+
+    def __post_init__(self) -> None:
+        if self.overlap is not SharedOverlap.NONE and self.mode is not MlpMode.SP_SHARDED:
+            raise ValueError(f"MlpLayout: overlap {self.overlap.value} needs an SP-sharded MLP, "
+                             f"got {self.mode.value}")
 
     @property
     def gate_DF(self) -> P:
@@ -212,7 +251,11 @@ class MlpLayout:
 
     @property
     def collectives(self) -> tuple[str, ...]:
-        """Collectives one forward issues, over TENSOR."""
+        """Collectives one forward issues, over TENSOR (RING: 2 (tp - 1)
+        collective-permutes, tp - 1 of the input rows, then tp - 1 of the
+        float32 partial sums)."""
+        if self.overlap is SharedOverlap.RING:
+            return ("collective-permute",) * (2 * (self.parallel.tp - 1))
         return {MlpMode.REPLICATED: (),
                 MlpMode.SP_SHARDED: ("all-gather", "reduce-scatter"),
                 MlpMode.TP: ("all-reduce",)}[self.mode]
@@ -237,7 +280,9 @@ def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpL
                              f"sharding requested but hidden {hidden} / intermediate "
                              f"{intermediate} is not divisible by tp={tp}")
         return MlpLayout(MlpMode.SP_SHARDED, parallel, hidden, intermediate, (TENSOR,),
-                         f"sequence parallel, sharded over tp={tp}")
+                         f"sequence parallel, sharded over tp={tp}, "
+                         f"overlap {parallel.shared_overlap.value}",
+                         parallel.shared_overlap)
     if tp == 1:
         return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
                          "no tensor parallelism" + (" (sharding needs sequence parallel)"
@@ -437,6 +482,7 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
     return math.ceil(num_tokens / row_shards) * row_shards
 
 
-__all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "MlpMode", "MlpLayout", "MoEMode",
+__all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "SharedOverlap",
+           "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
            "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError"]

@@ -39,8 +39,10 @@ from k3jax.layout import (
     TENSOR,
     Dispatch,
     Layout,
+    MlpLayout,
     MlpMode,
     ParallelConfig,
+    SharedOverlap,
     abstract_mesh,
     make_layout,
     padded_rows,
@@ -150,7 +152,7 @@ class Collective:
     buffer (all-gather output, reduce-scatter input, all-reduce array) and
     ``bytes`` its size; ``group`` the number of devices taking part."""
 
-    kind: str                   # "all-gather" | "reduce-scatter" | "all-reduce"
+    kind: str                   # "all-gather" | "reduce-scatter" | "all-reduce" | "collective-permute"
     axes: tuple[str, ...]
     group: int
     what: str
@@ -161,10 +163,22 @@ class Collective:
     def bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(jnp.dtype(self.dtype)).itemsize
 
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes each device sends, as a ring algorithm moves them:
+        (g - 1) / g of the buffer for an all-gather or reduce-scatter,
+        2 (g - 1) / g for an all-reduce, the whole block for a
+        collective-permute (one block to one neighbour)."""
+        g = self.group
+        if self.kind == "collective-permute":
+            return self.bytes
+        factor = 2 if self.kind == "all-reduce" else 1
+        return factor * (g - 1) * self.bytes // g
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "axis": "+".join(self.axes), "axes": list(self.axes),
                 "group": self.group, "what": self.what, "shape": list(self.shape),
-                "dtype": self.dtype, "bytes": self.bytes}
+                "dtype": self.dtype, "bytes": self.bytes, "wire_bytes": self.wire_bytes}
 
 
 def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") -> list[Collective]:
@@ -174,8 +188,9 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
     Dispatch.OWN_ROWS (moe_rows_local: LOCAL, TP under SP, EP): all-gather over
       ``dispatch_axes`` of the latent rows (activation dtype), the top-k ids
       (int32) and weights (float32); reduce-scatter of the float32 routed
-      latent; an SP-sharded shared expert adds an all-gather of its D-wide rows
-      (activation dtype) and a float32 reduce-scatter over TENSOR.
+      latent; an SP-sharded shared expert adds its own over TENSOR
+      (``sp_sharded_mlp_collectives``: an all-gather and a reduce-scatter, or
+      2 (tp - 1) collective-permutes under SharedOverlap.RING).
     Dispatch.ALL_REDUCE (moe_tp_local, tp > 1 without SP): under EP with
       dp > 1 the same three all-gathers and one reduce-scatter over DATA
       (``dispatch_axes``); then one float32 all-reduce of [rows, L + D] over TENSOR.
@@ -204,13 +219,31 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
                               (local_rows, L + D), "float32"))
         return out
     if layout.shared_mlp.mode is MlpMode.SP_SHARDED:
-        rows = local_rows * par.tp
-        out += [Collective("all-gather", (TENSOR,), par.tp, "shared-expert input rows", (rows, D), act),
-                Collective("reduce-scatter", (TENSOR,), par.tp, "shared-expert partial sums",
-                           (rows, D), "float32")]
+        out += sp_sharded_mlp_collectives(layout.shared_mlp, local_rows, act, "shared-expert")
     elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
         raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
     return out
+
+
+def sp_sharded_mlp_collectives(mlp: MlpLayout, local_rows: int, act_dtype: str,
+                               who: str) -> list[Collective]:
+    """The collectives of one SP-sharded MLP forward over ``local_rows`` rows
+    per device (k3jax.modules.mlp): SharedOverlap.NONE, an all-gather of the
+    D-wide input rows (activation dtype) and a float32 reduce-scatter of the
+    partial sums; RING, the same bytes as tp - 1 collective-permutes of one
+    [local_rows, D] block each way (input rows, then float32 running sums)."""
+    tp, D = mlp.parallel.tp, mlp.hidden
+    if mlp.overlap is SharedOverlap.RING:
+        return ([Collective("collective-permute", (TENSOR,), tp,
+                            f"{who} input rows, ring step {s + 1}/{tp - 1}",
+                            (local_rows, D), act_dtype) for s in range(tp - 1)]
+                + [Collective("collective-permute", (TENSOR,), tp,
+                              f"{who} partial sums, ring step {s + 1}/{tp - 1}",
+                              (local_rows, D), "float32") for s in range(tp - 1)])
+    rows = local_rows * tp
+    return [Collective("all-gather", (TENSOR,), tp, f"{who} input rows", (rows, D), act_dtype),
+            Collective("reduce-scatter", (TENSOR,), tp, f"{who} partial sums", (rows, D),
+                       "float32")]
 
 
 # --------------------------------------------------------------------------
@@ -254,8 +287,10 @@ class Plan:
             "parallel": {"dp": par.dp, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
                          "expert_parallel": par.expert_parallel, "ep": par.ep,
                          "shard_shared_expert": par.shard_shared_expert,
-                         "pad_under_ep": par.pad_under_ep},
+                         "pad_under_ep": par.pad_under_ep,
+                         "shared_overlap": par.shared_overlap.value},
             "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
+                       "shared_expert_overlap": lay.shared_mlp.overlap.value,
                        "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,
                        "expert_shards": lay.expert_shards,
                        "token_axes": list(lay.token_axes),
@@ -272,6 +307,7 @@ class Plan:
             "tokens": self.tokens,
             "collectives": [c.to_dict() for c in self.collectives],
             "collective_bytes_per_device": sum(c.bytes for c in self.collectives),
+            "collective_wire_bytes_per_device": sum(c.wire_bytes for c in self.collectives),
             "comparisons": dict(self.comparisons),
         }
 
@@ -314,6 +350,6 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
 
 
 __all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
-           "moe_collectives", "abstract_layer",
+           "moe_collectives", "sp_sharded_mlp_collectives", "abstract_layer",
            "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
            "EXPERT_DTYPES"]

@@ -7,6 +7,7 @@ once however many tests use it). Import as ``from layout_cases import ...``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections import Counter
@@ -16,7 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import TINY, AbstractSource, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
+from k3jax import (
+    TINY,
+    AbstractSource,
+    ParallelConfig,
+    RandomSource,
+    SharedOverlap,
+    build_layer,
+    make_layout,
+    make_mesh,
+)
 from numerics import rel_err
 
 SEED = 0
@@ -47,6 +57,12 @@ MULTI_DEVICE = [name for name in LAYOUTS if name != "single"]
 EXTRA_LAYOUTS: dict[str, ParallelConfig] = {
     "ep_dp8_pad_under_ep": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),
 }
+# The SP-sharded layouts above use the default SharedOverlap.RING; these are
+# the same layouts with the unoverlapped all-gather + reduce-scatter (issue 14).
+UNOVERLAPPED = {f"{name}_none": dataclasses.replace(LAYOUTS[name], shared_overlap=SharedOverlap.NONE)
+                for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
+                             "sp_ep_dp2_tp4_shard")}
+EXTRA_LAYOUTS.update(UNOVERLAPPED)
 _ALL = {**LAYOUTS, **EXTRA_LAYOUTS}
 
 
@@ -125,6 +141,22 @@ def count_collectives(hlo_text: str) -> Counter:
     return counts
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_axes(hlo_line: str, parallel: ParallelConfig) -> str:
+    """The mesh axis a collective-permute's source_target_pairs run along, in
+    the replica_groups notation ("{'tensor'}"): every pair r -> r + 1 (mod tp)
+    inside one data group is the tensor-axis ring. Fails on any other pattern."""
+    m = _PAIRS.search(hlo_line)
+    assert m, f"no source_target_pairs in {hlo_line[:200]}"
+    pairs = sorted((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+    tp = parallel.tp
+    ring = sorted((r, r - r % tp + (r % tp + 1) % tp) for r in range(parallel.num_devices))
+    assert pairs == ring, f"not the tensor-axis ring: {pairs}"
+    return "{'tensor'}"
+
+
 def compiled_hlo(cfg, name: str, layer: int, T: int, dtype=jnp.float32) -> str:
     """Compiled HLO of the layer's forward, with abstract weights (nothing allocated)
     and x_TD [T, D] placed as the layout places token rows (replicated when T
@@ -145,6 +177,7 @@ __all__ = [
     "DENSE_LAYER",
     "EXTRA_LAYOUTS",
     "LAYOUTS",
+    "UNOVERLAPPED",
     "MOE_LAYER",
     "MULTI_DEVICE",
     "SEED",
@@ -154,5 +187,6 @@ __all__ = [
     "inputs",
     "module",
     "output",
+    "permute_axes",
     "rel_err",
 ]

@@ -25,7 +25,7 @@ from k3jax import (
     mlp_layout,
     padded_moe_intermediate,
 )
-from k3jax.layout import SHARD_SHARED_EXPERT_ENV, Dispatch
+from k3jax.layout import SHARD_SHARED_EXPERT_ENV, Dispatch, MlpLayout, SharedOverlap
 from k3jax.modules.params import Padding
 
 H, SHARED_I, DENSE_I = 7168, 6144, 33792       # K3 hidden, shared expert (2 x 3072), dense MLP
@@ -49,8 +49,23 @@ def test_gate_on_sp_tp8_shards_over_the_tensor_axis():
     assert gate.weight_axes == (TENSOR,)
     assert gate.param_specs == {"gate_DF": P(None, (TENSOR,)), "up_DF": P(None, (TENSOR,)),
                                 "down_FD": P((TENSOR,), None)}
-    assert gate.collectives == ("all-gather", "reduce-scatter")
+    assert gate.overlap is SharedOverlap.RING                    # the default (issue 14)
+    assert gate.collectives == ("collective-permute",) * 14
+    unoverlapped = mlp_layout(sp(8, True, shared_overlap=SharedOverlap.NONE), H, SHARED_I)
+    assert unoverlapped.collectives == ("all-gather", "reduce-scatter")
+    assert unoverlapped.param_specs == gate.param_specs
     assert (gate.hidden, gate.intermediate) == (H, SHARED_I)
+
+
+def test_overlap_applies_to_sp_sharded_mlps_only():
+    """Decided once: only an SP-sharded MLP carries RING; the other modes NONE."""
+    for par in (sp(8, False), ParallelConfig(tp=8), ParallelConfig(dp=8)):
+        assert par.shared_overlap is SharedOverlap.RING
+        assert mlp_layout(par, H, SHARED_I).overlap is SharedOverlap.NONE
+    with pytest.raises(ValueError, match="overlap ring needs an SP-sharded MLP"):
+        MlpLayout(MlpMode.TP, ParallelConfig(tp=8), H, SHARED_I, (TENSOR,), "x", SharedOverlap.RING)
+    with pytest.raises(ValueError, match="shared_overlap must be a SharedOverlap, got 'ring'"):
+        ParallelConfig(tp=8, shared_overlap="ring")
 
 
 def test_gate_off_sp_tp8_replicates():

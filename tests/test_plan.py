@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import K3, TINY, ParallelConfig, build_layer, make_layout, make_mesh
+from k3jax import K3, TINY, ParallelConfig, SharedOverlap, build_layer, make_layout, make_mesh
 from k3jax.cli import main as cli_main
 from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
 from k3jax.plan import (
@@ -27,7 +27,7 @@ from k3jax.plan import (
     moe_collectives,
     plan_layer_bytes,
 )
-from layout_cases import EXTRA_LAYOUTS, LAYOUTS, count_collectives
+from layout_cases import EXTRA_LAYOUTS, LAYOUTS, count_collectives, permute_axes
 
 MOE_LAYERS = 92
 SHARED_PER_LAYER = 7168 * (2 * 6144 + 6144) * 2          # SPEC 6: 264,241,152 B
@@ -267,7 +267,11 @@ _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-gather|reduce-scatter|all-reduce|all
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
-def hlo_collectives(text: str) -> list[tuple[str, tuple[str, ...], str, tuple[int, ...]]]:
+_PERMUTE = re.compile(r"=\s*(\(.*?\)|\S+)\s+collective-permute(?:-start)?\(")
+
+
+def hlo_collectives(text: str, parallel: ParallelConfig) -> list[tuple[str, tuple[str, ...], str,
+                                                                    tuple[int, ...]]]:
     """(kind, axes, dtype, output shape) of every collective in compiled HLO
     text. A combined (variadic) op contributes one entry per operand, so XLA
     combining several collectives into one does not change the result.
@@ -277,11 +281,17 @@ def hlo_collectives(text: str) -> list[tuple[str, tuple[str, ...], str, tuple[in
     parsed = 0
     for line in text.splitlines():
         m = _OP.search(line)
-        if not m:
+        if m:
+            shapes, kind, axes = m.groups()
+            axes = tuple(a.strip().strip("'") for a in axes.split(",") if a.strip())
+        elif m := _PERMUTE.search(line):       # source_target_pairs instead of replica_groups
+            shapes, kind = m.group(1), "collective-permute"
+            axes = tuple(a.strip("'") for a in permute_axes(line, parallel).strip("{}").split(","))
+            if shapes.startswith("(("):        # async start: ((operands), outputs)
+                shapes = shapes[1:shapes.index(")") + 1]
+        else:
             continue
         parsed += 1
-        shapes, kind, axes = m.groups()
-        axes = tuple(a.strip().strip("'") for a in axes.split(",") if a.strip())
         for dtype, dims in _ARRAY.findall(shapes):
             out.append((kind, axes, HLO_DTYPES.get(dtype, dtype),
                         tuple(int(d) for d in dims.split(",") if d)))
@@ -304,8 +314,10 @@ def planned_as_hlo(layout, tokens: int, dtype: str):
 
 
 @pytest.mark.parametrize("name", ["tp8", "dp2_tp4", "ep_tp8", "ep_dp2_tp4", "sp_tp8_repl", "sp_tp8_shard",
-                                  "sp_dp2_tp4_shard", "sp_ep_tp8_repl", "sp_ep_tp8_shard",
-                                  "sp_ep_dp2_tp4_shard", "sp_ep_dp2_tp4_repl", "ep_dp8", "dp8"])
+                                  "sp_tp8_shard_none", "sp_dp2_tp4_shard", "sp_dp2_tp4_shard_none",
+                                  "sp_ep_tp8_repl", "sp_ep_tp8_shard", "sp_ep_tp8_shard_none",
+                                  "sp_ep_dp2_tp4_shard", "sp_ep_dp2_tp4_shard_none",
+                                  "sp_ep_dp2_tp4_repl", "ep_dp8", "dp8"])
 def test_collectives_match_compiled_hlo(eight_devices, name):
     """Kinds, mesh axes, dtypes and shapes of the planned collectives equal
     those in the compiled program, for T = 32 global tokens fed in the layout's
@@ -323,7 +335,7 @@ def test_collectives_match_compiled_hlo(eight_devices, name):
                                                                 dtype=np.float32),
                        NamedSharding(mesh, layout.x_TD))
     text = forward.lower(state, x).compile().as_text()
-    compiled = hlo_collectives(text)
+    compiled = hlo_collectives(text, parallel)
     planned = planned_as_hlo(layout, tokens, "float32")
     assert collections.Counter(compiled) == collections.Counter(planned), (compiled, planned)
     assert "all-to-all" not in {k for k, *_ in compiled}
@@ -331,12 +343,20 @@ def test_collectives_match_compiled_hlo(eight_devices, name):
 
 def test_collective_bytes_full_size():
     """Bytes per device at K3 size: EP 16 (dp 2 x tp 8, SP), sharded shared expert, T = 1024."""
-    layout = make_layout(K3, ep(16, shard_shared_expert=True))
+    layout = make_layout(K3, ep(16, shard_shared_expert=True, shared_overlap=SharedOverlap.NONE))
     got = {(c.kind, c.what): (c.axes, c.bytes) for c in moe_collectives(layout, 1024, "bfloat16")}
     assert got[("all-gather", "latent rows")] == (("data", "tensor"), 1024 * 3584 * 2)
     assert got[("all-gather", "top-k expert ids")] == (("data", "tensor"), 1024 * 16 * 4)
     assert got[("reduce-scatter", "routed latent (partial sums)")] == (("data", "tensor"), 1024 * 3584 * 4)
     assert got[("all-gather", "shared-expert input rows")] == (("tensor",), 512 * 7168 * 2)
     assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 4)
+    # the ring form: 7 blocks of [64, D] each way, the same bytes over the wire
+    ring = moe_collectives(make_layout(K3, ep(16, shard_shared_expert=True)), 1024, "bfloat16")
+    permutes = [c for c in ring if c.kind == "collective-permute"]
+    assert [(c.axes, c.shape, c.dtype) for c in permutes] == (
+        [(("tensor",), (64, 7168), "bfloat16")] * 7 + [(("tensor",), (64, 7168), "float32")] * 7)
+    unoverlapped = [c for c in moe_collectives(layout, 1024, "bfloat16") if c.axes == ("tensor",)]
+    assert sum(c.wire_bytes for c in permutes) == sum(c.wire_bytes for c in unoverlapped)
+    assert sum(c.wire_bytes for c in permutes) == 7 * 64 * 7168 * (2 + 4)
     tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8)), 1000, "bfloat16")
     assert [(c.kind, c.axes, c.bytes) for c in tp] == [("all-reduce", ("tensor",), 1000 * (3584 + 7168) * 4)]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from k3jax.config import K3Config, from_hf_config, preset
 from k3jax.files import atomic_write, check_writable
-from k3jax.layout import ParallelConfig
+from k3jax.layout import DEFAULT_SHARED_OVERLAP, ParallelConfig, SharedOverlap
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKENDS = ("auto", "xla", "pallas", "interpret")
@@ -100,6 +100,12 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shard-shared-expert", action="store_true", default=None,
                    help="opt in to TP-sharding the shared expert / dense MLP under sequence "
                         "parallelism (default: K3JAX_SHARD_SP_SHARED_EXPERT, else off)")
+    g.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
+                   default=DEFAULT_SHARED_OVERLAP.value,
+                   help="how an SP-sharded shared expert / dense MLP moves its rows: 'ring' "
+                        "(collective matmul: tp - 1 ppermutes each way, each block's matmul "
+                        "overlapping the next transfer) or 'none' (one all-gather + one "
+                        f"reduce-scatter) (default {DEFAULT_SHARED_OVERLAP.value})")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -131,7 +137,8 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
     try:
         return ParallelConfig(dp=dp, tp=tp, sequence_parallel=args.sequence_parallel,
                               expert_parallel=args.expert_parallel,
-                              shard_shared_expert=args.shard_shared_expert)
+                              shard_shared_expert=args.shard_shared_expert,
+                              shared_overlap=SharedOverlap(args.shared_overlap))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -16,9 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
-from k3jax.layout import TENSOR, MlpLayout, MlpMode, check_mesh
+from k3jax.collective_matmul import ring_sp_mlp
+from k3jax.layout import TENSOR, MlpLayout, MlpMode, SharedOverlap, check_mesh
 from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, situ_mlp
+from k3jax.ops.matmul import matmul
+from pallas_kernels.situ_mlp.api import situ_mlp_up
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import Backend
 
@@ -58,6 +61,23 @@ def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
     return scatter_rows(partial, TENSOR).astype(x_TD.dtype)
 
 
+def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+    """As mlp_sp_sharded_local, overlapped (SharedOverlap.RING): the input
+    rows travel the tensor-axis ring block by block (tp - 1 ppermutes of
+    [T, D]), each block's gate/up + SiTU ([T, F/tp]) running while the next
+    travels; then each block's float32 down partial [T, D] is added to the
+    running sum passed around the ring (tp - 1 ppermutes of [T, D] float32),
+    each device ending with the sum of its own rows -> x's dtype."""
+    def up(block_TD):
+        return situ_mlp_up(block_TD, w["gate_DF"], w["up_DF"], beta=act.beta,
+                           linear_beta=act.linear_beta, backend=backend)
+
+    def down(h_TF):
+        return matmul(h_TF, w["down_FD"], out_dtype=jnp.float32)
+
+    return ring_sp_mlp(x_TD, up, down, TENSOR).astype(x_TD.dtype)
+
+
 def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
     """Rows replicated over TENSOR: column-parallel gate/up, row-parallel down,
     float32 all-reduce over TENSOR, cast to x's dtype."""
@@ -67,6 +87,14 @@ def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
 MLP_LOCAL = {MlpMode.REPLICATED: mlp_replicated_local,
              MlpMode.SP_SHARDED: mlp_sp_sharded_local,
              MlpMode.TP: mlp_tp_local}
+
+
+def mlp_local(layout: MlpLayout):
+    """The per-device body of ``layout``: MLP_LOCAL[mode], or the ring form of
+    an SP-sharded MLP under SharedOverlap.RING."""
+    if layout.overlap is SharedOverlap.RING:
+        return mlp_sp_ring_local
+    return MLP_LOCAL[layout.mode]
 
 
 class KimiMLP(nnx.Module):
@@ -105,9 +133,9 @@ def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: Backen
     """The jitted global forward (x_TD, weights) -> y_TD of one MLP layout
     (``row_sharded_forward`` around the layout's body). Cached, so eager
     calls compile once per shape."""
-    body = MLP_LOCAL[layout.mode]
+    body = mlp_local(layout)
     return row_sharded_forward(lambda x_TD, valid_T, w: body(x_TD, w, act, backend), mesh,
                                layout.parallel, dtype, layout.param_specs)
 
 
-__all__ = ["KimiMLP", "mlp_decls", "MLP_LOCAL", "mlp_tp_partial", "MlpWeights"]
+__all__ = ["KimiMLP", "mlp_decls", "MLP_LOCAL", "mlp_local", "mlp_tp_partial", "MlpWeights"]

@@ -40,7 +40,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.config import K3Config
 from k3jax.layout import TENSOR, Dispatch, Layout, LayoutError, MlpMode, MoEMode, check_mesh
-from k3jax.modules.mlp import MLP_LOCAL, KimiMLP, mlp_tp_partial
+from k3jax.modules.mlp import KimiMLP, mlp_local, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
 from k3jax.ops.matmul import matmul
@@ -173,7 +173,7 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
                           first_expert=first_expert, backend=backend)
     if axes:
         r_TL = scatter_rows(r_TL, axes)
-    shared_TD = MLP_LOCAL[layout.shared_mlp.mode](x_TD, p["shared"], act, backend)
+    shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, backend)
     return _latent_out(r_TL, p, cfg, x_TD.dtype) + shared_TD
 
 
