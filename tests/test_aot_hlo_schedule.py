@@ -123,13 +123,15 @@ _SYNC_TEXT = """HloModule m, is_scheduled=true, num_partitions=8
 ENTRY %main (p0: f32[64,32], p1: bf16[16,32]) -> f32[8,32] {
   %p0 = f32[64,32]{1,0} parameter(0)
   %p1 = bf16[16,32]{1,0} parameter(1)
-  %ars = f32[64,32]{1,0} all-reduce-start(%p0), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  %ars = f32[64,32]{1,0} all-reduce-start(%p0), replica_groups=[2,4]<=[8], to_apply=%add, SYNC
   %f = f32[16,16]{1,0} fusion(%p1), kind=kLoop, calls=%add, metadata={op_name="jit(f)/shared_expert/mul"}
-  %ard = f32[64,32]{1,0} all-reduce-done(%ars), backend_config={"collective_backend_config":{"is_sync":true}}
-  %rs = f32[8,32]{1,0} reduce-scatter(%ard), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(f)/shared_expert/reduce_scatter"}
+  %ard = f32[64,32]{1,0} all-reduce-done(%ars), SYNC
+  %rs = f32[8,32]{1,0} reduce-scatter(%ard), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0},
+      to_apply=%add, metadata={op_name="jit(f)/shared_expert/reduce_scatter"}
   ROOT %ag = f32[64,32]{1,0} all-gather(%rs), channel_id=3, replica_groups={}, dimensions={0}
 }
-"""
+""".replace(",\n      to_apply", ", to_apply").replace(
+    "SYNC", 'backend_config={"collective_backend_config":{"is_sync":true}}')
 
 
 def test_sync_pairs_plain_ops_and_group_spellings():
