@@ -37,7 +37,15 @@ from jax.sharding import NamedSharding
 
 from k3jax.config import K3Config
 from k3jax.files import atomic_write
-from k3jax.layout import MlpMode, MoEMode, ParallelConfig, make_layout, make_mesh
+from k3jax.layout import (
+    DEFAULT_SHARED_OVERLAP,
+    MlpMode,
+    MoEMode,
+    ParallelConfig,
+    SharedOverlap,
+    make_layout,
+    make_mesh,
+)
 from k3jax.modules import KimiMLP, RandomSource, build_layer
 from k3jax.ops import SiTU
 
@@ -212,9 +220,10 @@ def _jitted(module: nnx.Module):
     return lambda x: forward(state, x)
 
 
-def _bench_parallel(devices: int, layout: str, moe: bool) -> ParallelConfig:
+def _bench_parallel(devices: int, layout: str, moe: bool,
+                    overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP) -> ParallelConfig:
     return ParallelConfig(tp=devices, sequence_parallel=True, expert_parallel=moe,
-                          shard_shared_expert=(layout == "sharded"))
+                          shard_shared_expert=(layout == "sharded"), shared_overlap=overlap)
 
 
 def _build(kind: str, cfg: K3Config, parallel: ParallelConfig, mesh, dtype, backend, seed: int):
@@ -237,9 +246,11 @@ def run_bench(cfg: K3Config, devices: Sequence[jax.Device], *, tokens: Sequence[
               repeats: int = 10, warmup: int = 2, dtype: str = "float32", backend: str = "auto",
               benchmarks: Sequence[str] = BENCHMARKS, min_sample_ms: float = 1.0, seed: int = 0,
               source: str = "", scale: int = 1, simulated: bool = False,
+              shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """Sweep ``tokens`` for each benchmark and both shared-expert layouts on a
-    (1, len(devices)) mesh; ``cfg`` is used as given (scale it first).
+    (1, len(devices)) mesh; ``cfg`` is used as given (scale it first). The
+    sharded layout moves its rows as ``shared_overlap`` says.
     ``progress(label)`` is called after each measured point."""
     n = len(devices)
     jdtype = jnp.dtype(dtype)
@@ -249,7 +260,7 @@ def run_bench(cfg: K3Config, devices: Sequence[jax.Device], *, tokens: Sequence[
             raise ValueError(f"unknown benchmark {kind!r}; choose from {BENCHMARKS}")
         series, outputs = {}, {}
         for name in LAYOUTS:
-            parallel = _bench_parallel(n, name, kind == "moe_layer")
+            parallel = _bench_parallel(n, name, kind == "moe_layer", shared_overlap)
             mesh = make_mesh(parallel, devices)
             module, layout = _build(kind, cfg, parallel, mesh, jdtype, backend, seed)
             forward = _jitted(module)

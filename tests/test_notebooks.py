@@ -116,7 +116,14 @@ def test_01_shared_expert_sequence_parallel(executed):
     for row in s["memory"]:
         assert row["shared_sharded"] * row["tp"] == row["shared_replicated"]
         assert row["total_ep_sharded"] < row["total_ep_replicated"]
-    assert s["hlo_collectives"] == {"replicated": {}, "sharded": {"all-gather": 1, "reduce-scatter": 1}}
+    assert s["hlo_collectives"] == {"replicated": {}, "sharded": {"all-gather": 1, "reduce-scatter": 1},
+                                    "ring": {"collective-permute": 14}}
+    # the latency model (issue 14): FLOPs as compiled; ring beats the unoverlapped form at 8192 tokens
+    assert all(1.0 <= r < 1.001 for r in s["model_flops_ratio"].values())
+    assert s["model_tokens"][-1] == 8192
+    for tp in ("tp4", "tp8"):
+        pct = s["model_pct_vs_replicated"][tp]
+        assert pct["sharded+ring"][-1] < pct["sharded"][-1]
     assert s["added_bytes_per_token"] > 0
     assert s["tokens"] == [8, 32, 128, 256, 512, 1024, 2048]
     assert len(s["measured_ratio"]) == 7 and all(math.isfinite(r) and r > 0 for r in s["measured_ratio"])

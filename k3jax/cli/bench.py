@@ -20,6 +20,7 @@ from k3jax.cli.common import (
     request_devices,
 )
 from k3jax.config import PRESETS
+from k3jax.layout import DEFAULT_SHARED_OVERLAP, SharedOverlap
 
 DEFAULT_CPU_DEVICES = 8
 DEFAULT_CPU_SCALE = 16
@@ -82,6 +83,11 @@ def add_parser(sub) -> None:
                    help="parameters and activations (auto: float32 on the CPU, bfloat16 otherwise)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="kernel backend")
     p.add_argument("--skip-moe-layer", action="store_true", help="only the shared-expert sweep")
+    p.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
+                   default=DEFAULT_SHARED_OVERLAP.value,
+                   help="how the sharded shared expert moves its rows: 'ring' (overlapped "
+                        "collective matmul) or 'none' (all-gather + reduce-scatter) "
+                        f"(default {DEFAULT_SHARED_OVERLAP.value})")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON ('-': stdout, "
                                                       "the table then goes to stderr)")
@@ -176,7 +182,8 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_bench(cfg, devices, tokens=tokens, repeats=repeats, warmup=warmup,
                            dtype=dtype, backend=args.backend, benchmarks=benchmarks,
                            min_sample_ms=args.min_sample_ms, seed=args.seed, source=source,
-                           scale=scale, simulated=simulated, progress=advance)
+                           scale=scale, simulated=simulated,
+                           shared_overlap=SharedOverlap(args.shared_overlap), progress=advance)
     print_table(result, out)
     if args.json == "-":
         print(json.dumps(result.to_dict(), indent=2))
