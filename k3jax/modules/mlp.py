@@ -21,9 +21,9 @@ from k3jax.layout import TENSOR, MlpLayout, MlpMode, SharedOverlap, check_mesh
 from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, situ_mlp
 from k3jax.ops.matmul import matmul
-from pallas_kernels.situ_mlp.api import situ_mlp_up
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import Backend
+from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 MlpWeights = dict[str, jax.Array]   # {"gate_DF", "up_DF", "down_FD"}
 
