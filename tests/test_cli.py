@@ -192,6 +192,8 @@ def test_every_layout_writes_the_same_output(ckpt, x_path, tmp_path, single_devi
 @pytest.mark.parametrize("argv, words", [
     (["run", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["run", "--dtype", "float64"], "invalid choice: 'float64'"),
+    (["run", "--shared-overlap", "windowed"], "invalid choice: 'windowed'"),
+    (["plan", "--shared-overlap", "RING"], "invalid choice: 'RING'"),
     (["run", "--tp", "0"], "expected a positive integer"),
     (["run", "--repeat", "two"], "expected a positive integer"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -360,3 +360,25 @@ def test_collective_bytes_full_size():
     assert sum(c.wire_bytes for c in permutes) == 7 * 64 * 7168 * (2 + 4)
     tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8)), 1000, "bfloat16")
     assert [(c.kind, c.axes, c.bytes) for c in tp] == [("all-reduce", ("tensor",), 1000 * (3584 + 7168) * 4)]
+
+
+def test_cli_shared_overlap_flag(capsys):
+    """--shared-overlap reaches the layout: ring (default) lists 2 x 7 permutes
+    of [T/8, D], none the all-gather + reduce-scatter; the same wire bytes."""
+    base = ["--preset", "k3", "--json", "--tp", "8", "--sequence-parallel", "--shard-shared-expert",
+            "--tokens", "1024"]
+    docs = {}
+    for flag in ([], ["--shared-overlap", "ring"], ["--shared-overlap", "none"]):
+        code, out, err = run_cli(capsys, *base, *flag)
+        assert code == 0, err
+        docs[tuple(flag)] = json.loads(out)
+    ring, none = docs[()], docs[("--shared-overlap", "none")]
+    assert docs[("--shared-overlap", "ring")] == ring
+    assert ring["parallel"]["shared_overlap"] == "ring" and none["parallel"]["shared_overlap"] == "none"
+    shared = {k: [c for c in d["collectives"] if c["what"].startswith("shared-expert")]
+              for k, d in (("ring", ring), ("none", none))}
+    assert [c["kind"] for c in shared["ring"]] == ["collective-permute"] * 14
+    assert all(c["shape"] == [128, 7168] for c in shared["ring"])
+    assert [c["kind"] for c in shared["none"]] == ["all-gather", "reduce-scatter"]
+    assert (sum(c["wire_bytes"] for c in shared["ring"]) == sum(c["wire_bytes"] for c in shared["none"])
+            == 7 * 128 * 7168 * (2 + 4))
