@@ -109,8 +109,10 @@ class ScheduledCollective:
 
 def in_scope(op_name: str, scope: str) -> bool:
     """Whether a jax op_name ("jit(f)/shard_map/shared_expert/dot_general")
-    lies inside the named scope ``scope``."""
-    return scope in op_name.split("/")
+    lies inside the named scope ``scope``. A collective XLA combined from
+    several carries all their names, "prefix/(a/all_gather:b/all_gather)",
+    and is in each of their scopes."""
+    return scope in re.split(r"[/:()]", op_name)
 
 
 @dataclasses.dataclass(frozen=True)
