@@ -30,6 +30,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from k3jax.layout import MESH_AXES, ParallelConfig
+from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
 
 TARGET_FILE = Path(__file__).parent / "targets" / "h200.txtpb"
 GPU_COMPILE_EXTRA = "gpu-compile"
@@ -94,22 +95,6 @@ def h200_mesh(parallel: ParallelConfig) -> Mesh:
     devices = h200_topology(parallel.num_devices).devices
     return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2,
                          devices=devices)
-
-
-# Compile options for GPU programs whose shared expert should overlap the routed
-# experts. XLA's collective combiners otherwise merge the shared expert's
-# all-gather / reduce-scatter into the routed path's (one collective that
-# carries both; at 256 tokens the merged reduce-scatter ran synchronously,
-# overlapping nothing). A threshold of 0 bytes keeps every collective separate,
-# and the latency-hiding scheduler then overlaps each with the other branch.
-# Pass them to the TOP-LEVEL jit (``jax.jit(f, compiler_options=...)`` or
-# ``lowered.compile(compiler_options)``; jax rejects them on a nested jit), or
-# as XLA_FLAGS (OVERLAP_XLA_FLAGS) for a process. XLA:CPU ignores them.
-OVERLAP_COMPILER_OPTIONS: dict[str, int] = {
-    "xla_gpu_all_gather_combine_threshold_bytes": 0,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-}
-OVERLAP_XLA_FLAGS = " ".join(f"--{k}={v}" for k, v in OVERLAP_COMPILER_OPTIONS.items())
 
 
 @dataclasses.dataclass(frozen=True)

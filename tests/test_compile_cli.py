@@ -13,7 +13,7 @@ import pytest
 
 import k3jax.aot
 from k3jax.cli import main
-from k3jax.cli.platforms import default_jax_platforms
+from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 from k3jax.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
@@ -69,6 +69,15 @@ def test_tables_for_the_dense_layer(capsys):
 def test_usage_errors_exit_2_naming_the_flags(argv, words, capsys):
     assert main(["compile", *argv]) == 2
     assert words in one_line_error(capsys.readouterr().err)
+
+
+def test_the_cli_adds_the_overlap_flags_but_keeps_the_users():
+    env = {"XLA_FLAGS": "--xla_gpu_all_gather_combine_threshold_bytes=1024 --xla_dump_to=/tmp/d"}
+    flags = default_xla_flags(env).split()
+    assert flags == ["--xla_gpu_all_gather_combine_threshold_bytes=1024", "--xla_dump_to=/tmp/d",
+                     "--xla_gpu_reduce_scatter_combine_threshold_bytes=0"]
+    assert default_xla_flags({}).split() == ["--xla_gpu_all_gather_combine_threshold_bytes=0",
+                                             "--xla_gpu_reduce_scatter_combine_threshold_bytes=0"]
 
 
 @pytest.mark.parametrize("argv", [["--tokens", "0"], ["--layer", "-1"], ["--backend", "cuda"]])
