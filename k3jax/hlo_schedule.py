@@ -341,7 +341,7 @@ def collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
             kind=kind[0], name=instr.name, bytes=max(operand_bytes, shape_bytes(result)),
             group=_group_size(instr.attrs if instr.opcode != "async-start"
                               else _wrapped_attrs(instr, comps), num_partitions),
-            is_async=is_async, compute_between=len(ops), flops_between=sum(o.flops for o in ops),
+            is_async=is_async, compute_between=len(ops), flops_between=sum((o.flops for o in ops), 0.0),
             op_name=_op_name(instr.attrs), parts=max(1, len(instr.operands)), compute_ops=ops))
     return out
 
