@@ -1,7 +1,12 @@
-"""Every layout of tests/layout_cases.py at full K3 size (BF16, MXFP4 experts)
-compiled for 8 H200s without a GPU (k3jax.compile.compile_layer), at 256 and
-8192 tokens: the MoE layer 1 with the XLA and the Pallas backends, the dense
-layer 0 with XLA (once per distinct dense placement). Checked here:
+"""Every 8-device layout of tests/layout_cases.py at full K3 size (BF16, MXFP4
+experts) compiled for 8 H200s without a GPU (k3jax.compile.compile_layer), at
+256 and 8192 tokens: the MoE layer 1 with XLA, the dense layer 0 with XLA
+(once per distinct dense placement), and the MoE layer 1 with the Pallas
+backend in the layout of the issue's "done when" command (sp_ep_tp8_shard).
+Pallas in every layout, and the single-device layout, are compiled by
+``python benchmarks/compile_table.py --layouts`` (the BENCHMARKS.md table):
+2-3 minutes each on a loaded 2-core machine, too slow for the suite.
+Checked here:
 
 - the compiler's argument bytes of the weights equal the planner's, exactly;
   the input and output shards are the layout's;
@@ -28,7 +33,7 @@ from k3jax.aot import OVERLAP_COMPILER_OPTIONS
 from k3jax.compile import CompileReport, compile_layer
 from k3jax.hlo_schedule import in_scope
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
-from layout_cases import LAYOUTS
+from layout_cases import LAYOUTS, MULTI_DEVICE
 
 TOKENS = (256, 8192)
 MOE, DENSE = 1, 0
@@ -45,7 +50,8 @@ def _dense_placements() -> list[str]:
     """One layout per distinct dense-layer placement (the dense compile depends
     on nothing else)."""
     seen, names = set(), []
-    for name, par in LAYOUTS.items():
+    for name in MULTI_DEVICE:
+        par = LAYOUTS[name]
         lay = make_layout(K3, par)
         key = (lay.dense_mlp, lay.token_axes, par.dp, par.tp)
         if key not in seen:
@@ -54,8 +60,11 @@ def _dense_placements() -> list[str]:
     return names
 
 
-PASSES = ([(name, MOE, "xla") for name in LAYOUTS] + [(name, MOE, "pallas") for name in LAYOUTS]
+PALLAS_LAYOUTS = ["sp_ep_tp8_shard"]
+PASSES = ([(name, MOE, "xla") for name in MULTI_DEVICE]
+          + [(name, MOE, "pallas") for name in PALLAS_LAYOUTS]
           + [(name, DENSE, "xla") for name in _dense_placements()])
+CONTRACT = [(name, "xla") for name in MULTI_DEVICE] + [(name, "pallas") for name in PALLAS_LAYOUTS]
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -81,8 +90,7 @@ def _shared(c) -> bool:
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name,backend", CONTRACT)
 def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
     layout = make_layout(K3, LAYOUTS[name])
     sched = report(K3, LAYOUTS[name], MOE, tokens, backend).collectives
