@@ -30,6 +30,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from k3jax.layout import MESH_AXES, ParallelConfig
+from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
 
 TARGET_FILE = Path(__file__).parent / "targets" / "h200.txtpb"
 GPU_COMPILE_EXTRA = "gpu-compile"
@@ -98,13 +99,17 @@ def h200_mesh(parallel: ParallelConfig) -> Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class PtxasReport:
-    """ptxas's resource report for one Mosaic GPU kernel (sm_90a)."""
+    """ptxas's resource report for one Mosaic GPU kernel (sm_90a), with the
+    launch's dynamic shared memory and grid from Mosaic's MLIR dump (0 / ()
+    when the dump did not show them)."""
 
     name: str
     registers: int
     spill_store_bytes: int
     spill_load_bytes: int
     warnings: tuple[str, ...]
+    smem_bytes: int = 0          # dynamic shared memory per block requested at launch
+    grid: tuple[int, ...] = ()   # blocks (x, y, z)
 
     @property
     def spill_bytes(self) -> int:
@@ -115,7 +120,12 @@ _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def parse_ptxas(name: str, text: str) -> PtxasReport:
+_LAUNCH = re.compile(r"gpu\.launch\b.*?blocks\([^)]*\) in \(([^)]*)\).*?"
+                     r"dynamic_shared_memory_size (%[\w]+)")
+
+
+def parse_ptxas(name: str, text: str, *, smem_bytes: int = 0,
+                grid: tuple[int, ...] = ()) -> PtxasReport:
     """A PtxasReport from ptxas's ``-v`` output for one kernel."""
     regs = _REGISTERS.search(text)
     spills = _SPILLS.search(text)
@@ -125,7 +135,38 @@ def parse_ptxas(name: str, text: str) -> PtxasReport:
     return PtxasReport(name=name, registers=int(regs.group(1)),
                        spill_store_bytes=int(spills.group(1)) if spills else 0,
                        spill_load_bytes=int(spills.group(2)) if spills else 0,
-                       warnings=warnings)
+                       warnings=warnings, smem_bytes=smem_bytes, grid=grid)
+
+
+def _mlir_constant(name: str, text: str) -> int | None:
+    """The value of MLIR SSA constant ``%name`` (``%c132``, ``%c221264_i32`` or
+    an ``arith.constant`` definition in ``text``)."""
+    m = re.fullmatch(r"%c(\d+)(?:_i\d+)?", name)
+    if m:
+        return int(m.group(1))
+    d = re.search(re.escape(name) + r" = arith\.constant (\d+)", text)
+    return int(d.group(1)) if d else None
+
+
+def parse_launch(text: str) -> tuple[int, tuple[int, ...]] | None:
+    """(dynamic shared memory bytes, grid) of the first ``gpu.launch`` in a
+    Mosaic GPU MLIR dump whose sizes are all constants, else None."""
+    for m in _LAUNCH.finditer(text):
+        grid = [_mlir_constant(v.split("=")[-1].strip(), text) for v in m.group(1).split(",")]
+        smem = _mlir_constant(m.group(2), text)
+        if smem is not None and all(g is not None for g in grid):
+            return smem, tuple(grid)
+    return None
+
+
+def _launch_of(folder: Path, stem: str) -> tuple[int, tuple[int, ...]]:
+    for suffix in (".after_layout_inference.txt", ".before_layout_inference.txt", ".mlir-passes.log"):
+        path = folder / (stem + suffix)
+        if path.exists():
+            found = parse_launch(path.read_text())
+            if found is not None:
+                return found
+    return 0, ()
 
 
 @contextlib.contextmanager
@@ -141,7 +182,11 @@ def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
 
     def reports() -> list[PtxasReport]:
         files = sorted(Path(folder).glob("*.ptxas"), key=lambda p: p.stat().st_mtime_ns)
-        return [parse_ptxas(p.stem, p.read_text()) for p in files]
+        out = []
+        for p in files:
+            smem, grid = _launch_of(Path(folder), p.stem)
+            out.append(parse_ptxas(p.stem, p.read_text(), smem_bytes=smem, grid=grid))
+        return out
 
     try:
         yield reports
@@ -154,5 +199,6 @@ def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["TARGET_FILE", "GpuCompileUnavailable", "PtxasReport", "h200_mesh", "h200_target_config",
-           "h200_topology", "parse_ptxas", "pin_wheel_ptxas", "ptxas_dump"]
+__all__ = ["OVERLAP_COMPILER_OPTIONS", "OVERLAP_XLA_FLAGS", "TARGET_FILE", "GpuCompileUnavailable",
+           "PtxasReport", "h200_mesh", "h200_target_config", "h200_topology", "parse_launch",
+           "parse_ptxas", "pin_wheel_ptxas", "ptxas_dump"]

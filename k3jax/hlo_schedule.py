@@ -73,6 +73,13 @@ class ComputeOp:
     opcode: str          # fusion, custom-call, dot, ...
     op_name: str         # jax metadata op_name ("" when XLA made the op up)
     flops: float
+    target: str = ""     # custom_call_target of a custom call ("mosaic_gpu_v2", "__cublas$gemm")
+
+    @property
+    def is_matmul(self) -> bool:
+        """A GEMM: an op with dot FLOPs, or a Mosaic GPU kernel (whose FLOPs
+        HLO cannot see; k3jax's Mosaic kernels are its grouped/MLP GEMMs)."""
+        return self.flops > 0 or self.target.startswith("mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +102,17 @@ class ScheduledCollective:
         component ``scope`` (a ``jax.named_scope``)."""
         return sum(op.flops for op in self.compute_ops if in_scope(op.op_name, scope))
 
+    def matmuls_between_in(self, scope: str) -> int:
+        """GEMMs (ComputeOp.is_matmul) between start and done inside ``scope``."""
+        return sum(op.is_matmul and in_scope(op.op_name, scope) for op in self.compute_ops)
+
 
 def in_scope(op_name: str, scope: str) -> bool:
     """Whether a jax op_name ("jit(f)/shard_map/shared_expert/dot_general")
-    lies inside the named scope ``scope``."""
-    return scope in op_name.split("/")
+    lies inside the named scope ``scope``. A collective XLA combined from
+    several carries all their names, "prefix/(a/all_gather:b/all_gather)",
+    and is in each of their scopes."""
+    return scope in re.split(r"[/:()]", op_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +266,11 @@ class _Flops:
                          contracting)
 
 
+def _custom_target(instr: _Instr) -> str:
+    m = _CUSTOM_TARGET.search(instr.attrs) if instr.opcode == "custom-call" else None
+    return m.group(1) if m else ""
+
+
 def _op_name(attrs: str) -> str:
     m = _OP_NAME.search(attrs)
     return m.group(1).replace('\\"', '"') if m else ""
@@ -292,13 +310,14 @@ def collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
     instrs = comps[entry]
     flops = _Flops(comps)
     shapes = flops.shapes
+    by_name = {i.name: i for i in instrs}
     done_of: dict[str, int] = {}
     for idx, instr in enumerate(instrs):
         kind = _collective_kind(instr, comps)
         if kind and kind[1] == "done":
             start = instr.operands[0]
-            while start in shapes and _find(instrs, start).opcode == "async-update":
-                start = _find(instrs, start).operands[0]
+            while start in by_name and by_name[start].opcode == "async-update":
+                start = by_name[start].operands[0]
             done_of[start] = idx
 
     out = []
@@ -309,28 +328,22 @@ def collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
         operand_bytes = sum(shape_bytes(shapes[o]) for o in instr.operands if o in shapes)
         if kind[1] == "sync":
             result, between, is_async = instr.shape, [], False
-            sync_flag = True
         else:
             if instr.name not in done_of:
                 raise ValueError(f"{instr.opcode} {instr.name} has no matching done op")
             done = instrs[done_of[instr.name]]
             result = done.shape
             between = [i for i in instrs[idx + 1:done_of[instr.name]] if _is_compute(i, comps)]
-            sync_flag = bool(_IS_SYNC.search(instr.attrs) or _IS_SYNC.search(done.attrs))
-            is_async = not sync_flag
-        ops = tuple(ComputeOp(i.name, i.opcode, _op_name(i.attrs), flops.of_instr(i))
-                    for i in between)
+            is_async = not (_IS_SYNC.search(instr.attrs) or _IS_SYNC.search(done.attrs))
+        ops = tuple(ComputeOp(i.name, i.opcode, _op_name(i.attrs), flops.of_instr(i),
+                              _custom_target(i)) for i in between)
         out.append(ScheduledCollective(
             kind=kind[0], name=instr.name, bytes=max(operand_bytes, shape_bytes(result)),
             group=_group_size(instr.attrs if instr.opcode != "async-start"
                               else _wrapped_attrs(instr, comps), num_partitions),
-            is_async=is_async, compute_between=len(ops), flops_between=sum(o.flops for o in ops),
+            is_async=is_async, compute_between=len(ops), flops_between=sum((o.flops for o in ops), 0.0),
             op_name=_op_name(instr.attrs), parts=max(1, len(instr.operands)), compute_ops=ops))
     return out
-
-
-def _find(instrs: list[_Instr], name: str) -> _Instr:
-    return next(i for i in instrs if i.name == name)
 
 
 def _wrapped_attrs(instr: _Instr, comps: dict[str, list[_Instr]]) -> str:

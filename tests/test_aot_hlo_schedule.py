@@ -139,6 +139,9 @@ def test_sync_pairs_plain_ops_and_group_spellings():
     assert (ars.kind, ars.is_async, ars.group, ars.compute_between) == ("all-reduce", False, 4, 1)
     assert (rs.kind, rs.is_async, rs.group, rs.bytes) == ("reduce-scatter", False, 8, 64 * 32 * 4)
     assert in_scope(rs.op_name, "shared_expert") and not in_scope(rs.op_name, "shared")
+    combined = "jit(f)/shard_map/(routed_experts/all_gather:shared_expert/all_gather)"
+    assert in_scope(combined, "shared_expert") and in_scope(combined, "routed_experts")
+    assert not in_scope(combined, "all")
     assert (ag.kind, ag.group) == ("all-gather", 8)
 
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.cli import bench, make_checkpoint, plan, run
+from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 
-COMMANDS = (run, make_checkpoint, plan, bench)
+default_jax_platforms()   # before the sub-commands import jax
+default_xla_flags()
+
+from k3jax.cli import bench, compile, make_checkpoint, plan, run  # noqa: E402
+
+COMMANDS = (run, make_checkpoint, plan, bench, compile)
 
 
 class _Parser(argparse.ArgumentParser):

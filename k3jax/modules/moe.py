@@ -62,6 +62,9 @@ MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), 
 
 
 SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside KimiMoE
+# jax.named_scope of the two branches: compiled ops' op_name metadata carries
+# them, so a schedule (k3jax.hlo_schedule) can tell shared from routed work.
+SHARED_SCOPE, ROUTED_SCOPE = "shared_expert", "routed_experts"
 
 
 def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:
@@ -161,20 +164,23 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
     latent back to [T, L]; add the shared expert of own rows (replicated or
     SP-sharded, which issues its own gather / scatter over TENSOR)."""
     cfg = layout.cfg
-    ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
-    lat_TL = matmul(x_TD, p["lat_down_DL"])
-    axes = layout.dispatch_axes
-    first_expert = 0
-    if axes:
-        lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-    if layout.moe_mode is MoEMode.EP:
-        first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
-                          first_expert=first_expert, backend=backend)
-    if axes:
-        r_TL = scatter_rows(r_TL, axes)
-    shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, backend)
-    return _latent_out(r_TL, p, cfg, x_TD.dtype) + shared_TD
+    with jax.named_scope(ROUTED_SCOPE):
+        ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
+        lat_TL = matmul(x_TD, p["lat_down_DL"])
+        axes = layout.dispatch_axes
+        first_expert = 0
+        if axes:
+            lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
+        if layout.moe_mode is MoEMode.EP:
+            first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
+        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
+                              first_expert=first_expert, backend=backend)
+        if axes:
+            r_TL = scatter_rows(r_TL, axes)
+        routed_TD = _latent_out(r_TL, p, cfg, x_TD.dtype)
+    with jax.named_scope(SHARED_SCOPE):
+        shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, backend)
+    return routed_TD + shared_TD
 
 
 def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
@@ -190,19 +196,21 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
     if layout.shared_mlp.mode is not MlpMode.TP:
         raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
     cfg = layout.cfg
-    ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
-    lat_TL = matmul(x_TD, p["lat_down_DL"])
-    axes = layout.dispatch_axes
-    if axes:
-        lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-    first_expert = 0
-    if layout.moe_mode is MoEMode.EP:
-        first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
-                          first_expert=first_expert, backend=backend)
-    if axes:
-        r_TL = scatter_rows(r_TL, axes)
-    shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
+    with jax.named_scope(ROUTED_SCOPE):
+        ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
+        lat_TL = matmul(x_TD, p["lat_down_DL"])
+        axes = layout.dispatch_axes
+        if axes:
+            lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
+        first_expert = 0
+        if layout.moe_mode is MoEMode.EP:
+            first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
+        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
+                              first_expert=first_expert, backend=backend)
+        if axes:
+            r_TL = scatter_rows(r_TL, axes)
+    with jax.named_scope(SHARED_SCOPE):
+        shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
     L = r_TL.shape[1]
     both = jax.lax.psum(jnp.concatenate([r_TL, shared_TD], axis=1), TENSOR)
     return _latent_out(both[:, :L], p, cfg, x_TD.dtype) + both[:, L:].astype(x_TD.dtype)

@@ -424,6 +424,8 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
         grid_names=("sm",),
         num_threads=cfg.num_compute_wgs + 1,
         thread_name="wg",
+        # Named per op and row tile, so ptxas reports (k3jax.aot.ptxas_dump) tell kernels apart.
+        kernel_name=f"{'grouped_situ_glu' if len(w_GKNs) == 2 else 'grouped_matmul'}_m{cfg.block_m}",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),

@@ -1,0 +1,162 @@
+"""``k3jax compile``: one layer compiled for H200 GPUs on this machine, without
+a GPU (k3jax.compile): the compiler's per-device bytes against the planner's,
+the collective schedule, and with ``--backend pallas`` every Mosaic GPU
+kernel's registers, spills, shared memory and grid. Never touches a GPU: the
+process compiles with JAX_PLATFORMS=cpu for compile-only CUDA devices."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from k3jax.cli.common import (
+    UsageError,
+    add_parallel_flags,
+    config_from_args,
+    layout_flags,
+    non_negative_int,
+    parallel_from_args,
+    positive_int,
+    report_errors,
+)
+from k3jax.config import PRESETS
+
+DEFAULT_TOKENS = 256
+DEFAULT_LAYER = 1
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compile", help="compile one layer for H200 GPUs (no GPU needed)",
+                       description="Compile one layer's forward for dp x tp H200 GPUs on this "
+                                   "machine (deviceless: compile-only CUDA devices, abstract "
+                                   "weights, nothing allocated, no GPU touched) and report the "
+                                   "compiler's per-device bytes, the collective schedule and, "
+                                   "with --backend pallas, the Mosaic GPU kernels. Needs the "
+                                   "gpu-compile extra.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="CONFIG.json",
+                     help="an HF config.json (flat or text_config-nested), or a checkpoint directory")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+    add_parallel_flags(p)
+    p.add_argument("--pad-under-ep", action="store_true",
+                   help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
+                   help=f"global tokens of the forward (default {DEFAULT_TOKENS})")
+    p.add_argument("--layer", type=non_negative_int, default=DEFAULT_LAYER,
+                   help=f"layer index: 0 is the dense layer, 1 and up MoE (default {DEFAULT_LAYER})")
+    p.add_argument("--backend", choices=("xla", "pallas"), default="xla",
+                   help="xla (default) or pallas (the Mosaic GPU kernels, compiled through ptxas)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the weights (but MXFP4 experts and the router bias) and "
+                        "activations (default bfloat16)")
+    p.add_argument("--expert-dtype", choices=("mxfp4", "bfloat16", "float32"), default="mxfp4",
+                   help="storage of the routed experts (default mxfp4); a float one must equal "
+                        "--dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(main=main)
+
+
+def main(args: argparse.Namespace, prog: str) -> int:
+    # Compile-only CUDA devices come from the plugin while the process's
+    # platform is the CPU: this never initializes (or touches) a GPU.
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    return report_errors(lambda: _print(_compile(args), args.json), prog)
+
+
+def _print(report, as_json: bool) -> int:
+    if as_json:
+        print(report.to_json())
+    else:
+        print_report(report)
+    return 0
+
+
+def _compile(args: argparse.Namespace):
+    from k3jax.compile import compile_layer
+    from k3jax.layout import LayoutError
+    from k3jax.modules.moe import Mxfp4ShardError
+
+    cfg, _ = config_from_args(args)
+    parallel = parallel_from_args(args, None)
+    if args.pad_under_ep:
+        parallel = dataclasses.replace(parallel, pad_under_ep=True)
+    if args.layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    if cfg.is_moe_layer(args.layer) and args.expert_dtype not in ("mxfp4", args.dtype):
+        raise UsageError(f"--expert-dtype {args.expert_dtype} needs --dtype {args.expert_dtype} "
+                         f"(float experts compile in the layer's dtype), or --expert-dtype mxfp4")
+    try:   # a missing gpu-compile extra: GpuCompileUnavailable, a RuntimeError (exit 1)
+        return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
+                             dtype=args.dtype, expert_dtype=args.expert_dtype)
+    except Mxfp4ShardError as e:
+        raise UsageError(f"{e} (--expert-dtype bfloat16)") from None
+    except LayoutError as e:
+        raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
+    except ValueError as e:
+        if "smem" in str(e).lower() or "shared memory" in str(e).lower():
+            raise UsageError(f"{layout_flags(parallel)} --tokens {args.tokens} --backend "
+                             f"{args.backend}: a kernel does not fit the H200's shared memory: "
+                             f"{str(e).splitlines()[0]}") from None
+        raise
+
+
+def print_report(report, file=None) -> None:
+    """The human form: a summary and three rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from k3jax.plan import format_gb
+
+    d = report.to_dict()
+    console = Console(file=file or sys.stdout, width=140)
+    par = report.parallel
+    console.print(f"[bold]k3jax compile[/bold]: layer {report.layer} ({d['kind']}), "
+                  f"{report.tokens} tokens, backend {report.backend}, {par.describe()}, "
+                  f"{par.num_devices} x {d['target']['device']} ({d['target']['compute_capability']}), "
+                  f"compiled in {d['compile_seconds']:.1f} s", highlight=False)
+
+    table = Table(title="Per-device bytes from the compiler")
+    for column, justify in (("what", "left"), ("bytes", "right"), ("GB", "right")):
+        table.add_column(column, justify=justify)
+    for kind, nbytes in d["per_device_bytes"].items():
+        table.add_row(kind, f"{nbytes:,}", format_gb(nbytes))
+    table.add_row("planner weights (this layer)", f"{d['planner_weight_bytes']:,}",
+                  format_gb(d["planner_weight_bytes"]))
+    fit = d["fit"]
+    table.add_row("all layers' weights (planner)", f"{fit['model_weight_bytes']:,}",
+                  format_gb(fit["model_weight_bytes"]))
+    table.add_row("needed: all weights + this layer's activations, outputs, temporaries",
+                  f"{fit['needed_bytes']:,}", format_gb(fit["needed_bytes"]), style="bold")
+    table.add_row("H200 device memory", f"{fit['device_memory_bytes']:,}",
+                  format_gb(fit["device_memory_bytes"]))
+    console.print(table)
+    same = "==" if d["per_device_bytes"]["weights"] == d["planner_weight_bytes"] else "!="
+    console.print(f"weights {same} planner; fits one H200: {d['fits_h200']}; "
+                  f"XLA cost analysis: {d['flops']:.3e} FLOPs, {d['bytes_accessed']:.3e} bytes "
+                  f"accessed", highlight=False)
+
+    ctable = Table(title="Collectives in schedule order (compute between start and done)")
+    for column, justify in (("#", "right"), ("kind", "left"), ("bytes / device", "right"),
+                            ("group", "right"), ("async", "left"), ("ops", "right"),
+                            ("FLOPs", "right"), ("scope", "left")):
+        ctable.add_column(column, justify=justify)
+    for i, c in enumerate(report.collectives, 1):
+        scope = "/".join(s for s in ("shared_expert", "routed_experts") if s in c.op_name.split("/"))
+        ctable.add_row(str(i), c.kind + (f" x{c.parts}" if c.parts > 1 else ""), f"{c.bytes:,}",
+                       str(c.group), str(c.is_async), str(c.compute_between),
+                       f"{c.flops_between:.3e}", scope)
+    if not report.collectives:
+        ctable.add_row("", "none", "", "", "", "", "", "")
+    console.print(ctable)
+
+    if report.kernels:
+        ktable = Table(title="Mosaic GPU kernels (ptxas, sm_90a)")
+        for column, justify in (("kernel", "left"), ("registers", "right"), ("spill bytes", "right"),
+                                ("SMEM bytes", "right"), ("grid", "left")):
+            ktable.add_column(column, justify=justify)
+        for k in report.kernels:
+            ktable.add_row(k.name, str(k.registers), str(k.spill_bytes), f"{k.smem_bytes:,}",
+                           "x".join(map(str, k.grid)))
+        console.print(ktable)

@@ -1,0 +1,211 @@
+"""One layer compiled for H200 GPUs without a GPU: what the GPU compiler allocates,
+schedules and builds (``k3jax compile``).
+
+The layer is built with the real modules on compile-only H200 devices
+(``k3jax.aot.h200_mesh``) with abstract weights (``AbstractSource``: nothing is
+allocated) and its forward x_TD [T, D] -> y_TD [T, D] goes through XLA's GPU
+pipeline (and, with the Pallas backend, Mosaic GPU and ptxas), with
+``k3jax.aot.OVERLAP_COMPILER_OPTIONS``. The report:
+
+    per_device_bytes   from the compiler's buffer assignment (memory_analysis):
+                       weights      argument bytes of the parameters (the
+                                    arguments less x's shard);
+                       activations  argument bytes of the input x_TD (its shard);
+                       outputs      the output y_TD's shard;
+                       temporaries  XLA's temp buffers (peak of the schedule).
+    planner_weight_bytes   the planner's bytes of this layer (k3jax.plan);
+                       ``weights`` must equal it.
+    fits_h200          all layers' weights (planner) + this layer's activations,
+                       outputs and temporaries <= the target's device memory.
+    collectives        the schedule (k3jax.hlo_schedule), in order.
+    kernels            each Mosaic GPU kernel's ptxas report (Pallas backend).
+    flops, bytes_accessed  XLA's HloCostAnalysis of the compiled module (dots,
+                       elementwise and memory traffic of XLA's own ops; Mosaic
+                       kernels are custom calls it does not see into).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax.aot import (
+    OVERLAP_COMPILER_OPTIONS,
+    PtxasReport,
+    h200_mesh,
+    h200_target_config,
+    ptxas_dump,
+)
+from k3jax.config import K3Config
+from k3jax.hlo_schedule import ScheduledCollective, collective_schedule, collective_table
+from k3jax.layout import ParallelConfig, make_layout
+from k3jax.modules import AbstractSource, build_layer
+from k3jax.modules.moe import ExpertStorage
+from k3jax.plan import EXPERT_DTYPES, WEIGHT_DTYPES, model_bytes, plan_layer_bytes
+
+BACKENDS = ("xla", "pallas")
+BYTE_KINDS = ("weights", "activations", "outputs", "temporaries")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What the GPU compiler made of one layer's forward (module docstring)."""
+
+    cfg: K3Config
+    parallel: ParallelConfig
+    layer: int
+    tokens: int
+    backend: str
+    dtype: str
+    expert_dtype: str
+    per_device_bytes: dict[str, int]
+    planner_weight_bytes: int
+    model_weight_bytes: int          # planner: every layer's weights, per device
+    device_memory_bytes: int         # the target's
+    collectives: tuple[ScheduledCollective, ...]
+    kernels: tuple[PtxasReport, ...]
+    flops: float
+    bytes_accessed: float
+    compile_seconds: float
+    hlo_text: str = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def needed_bytes(self) -> int:
+        """All layers' weights + this layer's activations, outputs and temporaries."""
+        b = self.per_device_bytes
+        return self.model_weight_bytes + b["activations"] + b["outputs"] + b["temporaries"]
+
+    @property
+    def fits_h200(self) -> bool:
+        return self.needed_bytes <= self.device_memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = make_layout(self.cfg, self.parallel)
+        return {
+            "layer": self.layer, "kind": "moe" if self.cfg.is_moe_layer(self.layer) else "dense",
+            "tokens": self.tokens, "backend": self.backend, "dtype": self.dtype,
+            "expert_dtype": self.expert_dtype,
+            "layout": {**dataclasses.asdict(self.parallel),
+                       "shared_overlap": self.parallel.shared_overlap.value,
+                       "shared_overlaps_routed": lay.shared_overlaps_routed},
+            "per_device_bytes": dict(self.per_device_bytes),
+            "planner_weight_bytes": self.planner_weight_bytes,
+            "fits_h200": self.fits_h200,
+            "fit": {"model_weight_bytes": self.model_weight_bytes,
+                    "needed_bytes": self.needed_bytes,
+                    "device_memory_bytes": self.device_memory_bytes},
+            "collectives": collective_table(list(self.collectives)),
+            "kernels": [{"name": k.name, "registers": k.registers, "spill_bytes": k.spill_bytes,
+                         "smem_bytes": k.smem_bytes, "grid": list(k.grid)} for k in self.kernels],
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "target": target_summary(),
+            "compile_seconds": round(self.compile_seconds, 2),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def target_summary() -> dict[str, Any]:
+    """The H200 target's name and the numbers the report depends on."""
+    text = "\n".join(line.split("#")[0] for line in h200_target_config().splitlines())
+
+    def field(name: str) -> str:
+        m = re.search(rf"\b{name}: ([^\s}}]+)", text)
+        if m is None:
+            raise ValueError(f"the H200 target has no {name}")
+        return m.group(1).strip('"')
+
+    cc = re.search(r"cuda_compute_capability \{ major: (\d+)(?: minor: (\d+))? \}", text)
+    return {"device": re.search(r'device_description_str: "([^"]*)"', text).group(1),
+            "compute_capability": f"sm_{cc.group(1)}{cc.group(2) or 0}a",
+            "core_count": int(field("core_count")),
+            "shared_memory_per_block_optin": int(field("shared_memory_per_block_optin")),
+            "device_memory_bytes": int(field("device_memory_size")),
+            "memory_bandwidth_bytes_per_s": int(field("memory_bandwidth"))}
+
+
+def _check(cfg: K3Config, layer: int, backend: str, dtype: str, expert_dtype: str) -> None:
+    if not 0 <= layer < cfg.num_hidden_layers:
+        raise ValueError(f"layer {layer} is out of range: the model has layers 0.."
+                         f"{cfg.num_hidden_layers - 1}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if dtype not in WEIGHT_DTYPES or expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"dtype must be one of {WEIGHT_DTYPES} and expert dtype one of "
+                         f"{EXPERT_DTYPES}, got {dtype!r} / {expert_dtype!r}")
+    if cfg.is_moe_layer(layer) and expert_dtype not in ("mxfp4", dtype):
+        raise ValueError(f"float experts are compiled in the layer's dtype: expert dtype "
+                         f"{expert_dtype} needs dtype {expert_dtype} (or mxfp4 experts)")
+
+
+def _cost(compiled) -> tuple[float, float]:
+    """(flops, bytes accessed) by XLA's HloCostAnalysis of the compiled module.
+    A compile-only executable has no cost_analysis(); the analysis itself runs
+    on the CPU client (jax private API: jax 0.11.2)."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    module = compiled.runtime_executable().hlo_modules()[0]
+    cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
+                  backend: str = "xla", dtype: str = "bfloat16", expert_dtype: str = "mxfp4",
+                  compiler_options: dict | None = None) -> CompileReport:
+    """Compile layer ``layer``'s forward on ``tokens`` global rows for
+    ``parallel.num_devices`` H200s (module docstring). Layout errors raise
+    ``k3jax.layout.LayoutError``; bad arguments ValueError; a missing CUDA
+    plugin or ptxas ``k3jax.aot.GpuCompileUnavailable``."""
+    _check(cfg, layer, backend, dtype, expert_dtype)
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
+    layout = make_layout(cfg, parallel)
+    mesh = h200_mesh(parallel)
+    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
+    module = build_layer(layout, layer, mesh, source=AbstractSource(), dtype=jnp.dtype(dtype),
+                         backend=backend, experts=experts)
+    graph, state = nnx.split(module)
+    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
+    x_sharding = NamedSharding(mesh, spec)
+    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype), sharding=x_sharding)
+    fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD), compiler_options=options)
+
+    t0 = time.perf_counter()
+    with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        compiled = fn.lower(state, x_TD).compile()
+        kernels = tuple(reports())
+    seconds = time.perf_counter() - t0
+
+    mem = compiled.memory_analysis()
+    x_bytes = math.prod(x_sharding.shard_shape(x_TD.shape)) * jnp.dtype(dtype).itemsize
+    per_device = {"weights": mem.argument_size_in_bytes - x_bytes, "activations": x_bytes,
+                  "outputs": mem.output_size_in_bytes, "temporaries": mem.temp_size_in_bytes}
+    planner = sum(plan_layer_bytes(cfg, parallel, layer, dtype=dtype,
+                                   expert_dtype=expert_dtype).values())
+    model = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)[0]["total"]
+    text = compiled.as_text()
+    flops, bytes_accessed = _cost(compiled)
+    return CompileReport(cfg=cfg, parallel=parallel, layer=layer, tokens=tokens, backend=backend,
+                         dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=per_device,
+                         planner_weight_bytes=planner, model_weight_bytes=model,
+                         device_memory_bytes=target_summary()["device_memory_bytes"],
+                         collectives=tuple(collective_schedule(text)), kernels=kernels,
+                         flops=flops, bytes_accessed=bytes_accessed, compile_seconds=seconds,
+                         hlo_text=text)
+
+
+__all__ = ["BACKENDS", "BYTE_KINDS", "CompileReport", "compile_layer", "target_summary"]
