@@ -127,7 +127,11 @@ def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
         return (y_MN, cached_group, cached), None
 
     init_cached = tuple(fill(w.shape[1:]) for w in packed)
-    init = (fill((m, n)), fill((), -1, jnp.int32), init_cached)
+    # The [M, N] zero init is built from a scalar that leaves an optimization
+    # barrier with x: XLA cannot materialize it before x exists (it hoisted it
+    # otherwise, so two grouped matmuls in a row kept three [M, .] buffers live).
+    zero, _ = lax.optimization_barrier((fill(()), x_MK))
+    init = (jnp.broadcast_to(zero, (m, n)), fill((), -1, jnp.int32), init_cached)
     (y_MN, _, _), _ = lax.scan(step, init, items)
     return y_MN
 
