@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from pallas_kernels import grouped_matmul, grouped_situ_glu
-from pallas_kernels.grouped_matmul import blocked
+from pallas_kernels.grouped_matmul import blocked, reference
 from pallas_kernels.mxfp4 import Mxfp4Weights, dequantize_expert
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -164,3 +164,15 @@ def test_no_dense_expansion():
         args[0], packed, args[2]).compile().memory_analysis().temp_size_in_bytes
     all_experts_bf16 = g * k * n * 2
     assert temp4 < all_experts_bf16 / 4, (temp4, all_experts_bf16)
+
+
+def test_blocked_is_differentiable_like_ragged_dot():
+    """Reverse mode through the scan / cond / optimization barrier gives
+    ragged_dot's gradients (float32, fresh random inputs)."""
+    x, (w,) = kc.grouped_inputs(11, 37, 16, 8, 4, F32, 1)
+    sizes = jnp.array([5, 0, 20, 7], jnp.int32)
+    got = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, w, sizes, backend="xla") ** 2),
+                   (0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(reference.grouped_matmul(x, w, sizes) ** 2), (0, 1))(x, w)
+    for g, r in zip(got, want, strict=True):
+        kc.assert_close(g, r, kc.TOL_F32, "gradient")
