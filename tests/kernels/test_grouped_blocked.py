@@ -1,7 +1,8 @@
 """The "xla" backend's sorted, blocked grouped matmul (blocked.py) and MXFP4
 weights (pallas_kernels.mxfp4.Mxfp4Weights): float64 numpy references, the
 item schedule, dequantization bit-identical to the codec, and the memory the
-formulation exists for (no dense [M, G*K] expansion). Measured: ~15 s on 2 cores."""
+formulation exists for (no dense [M, G*K] expansion). Measured: 46 s wall, 28 s CPU
+on 2 shared cores."""
 
 from __future__ import annotations
 
