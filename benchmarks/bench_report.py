@@ -17,7 +17,7 @@ class Results:
 
     def __init__(self, meta: dict, json_path: str | None, markdown_path: str | None):
         self.data = {"meta": {**meta, "complete": False}, "ceilings": None, "grouped": [],
-                     "mlp": []}
+                     "mlp": [], "mxfp4": []}
         self.json_path, self.markdown_path = json_path, markdown_path
 
     def set_ceilings(self, ceilings: dict) -> None:
@@ -34,7 +34,7 @@ class Results:
 
     @property
     def rows(self) -> list[dict]:
-        return self.data["grouped"] + self.data["mlp"]
+        return self.data["grouped"] + self.data["mlp"] + self.data["mxfp4"]
 
     def save(self) -> None:
         if self.json_path:
@@ -153,4 +153,25 @@ def to_markdown(result: dict) -> str:
             _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
             f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f")]
          for r in mlp])
+    lines += _mxfp4_table(result.get("mxfp4", []))
     return "\n".join(lines) + "\n"
+
+
+def _mxfp4_cell(r: dict, impl: str) -> str:
+    if impl in r:
+        return f"{r[impl]['us']:.1f} ({r[impl]['weight_tbps']:.2f} TB/s, {r[impl]['pct_copy']:.0f}%)"
+    return r.get(f"{impl}_error", "-")[:80]
+
+
+def _mxfp4_table(rows: list[dict]) -> list[str]:
+    """MXFP4 experts (bench_mxfp4.py): us (weight TB/s, % of copy) per implementation."""
+    if not rows:
+        return []
+    return ["", "MXFP4 experts: us (weight bytes moved per second, % of copy); "
+            "mxfp4 counts 0.53125 B per active parameter, the others 2 B.", ""] + _table(
+        ["op", "EP", "tokens", "rows", "mxfp4 (packed)", "bf16 weights", "dequantize + ragged_dot",
+         "mxfp4 temp GiB"],
+        [[r["op"], r["ep"], r["tokens"], r["rows"]] for r in rows],
+        [_status(r) or [_mxfp4_cell(r, "mxfp4"), _mxfp4_cell(r, "bf16"),
+                        _mxfp4_cell(r, "dequant_ragged_dot"),
+                        f"{r.get('mxfp4_temp_bytes', float('nan')) / 2**30:.2f}"] for r in rows])

@@ -20,6 +20,7 @@ from k3jax.modules import AbstractSource, RandomSource, build_layer
 from k3jax.modules.moe import ExpertStorage, expert_weights
 from k3jax.plan import make_plan
 from numerics import rel_err
+from pallas_kernels.mxfp4 import Mxfp4Weights
 from reference_np import np_mlp
 
 ACT = SiTU.from_config(TINY)
@@ -100,16 +101,17 @@ def test_expert_weights_follow_the_declared_storage():
     rng = np.random.default_rng(4)
     dense = {"w1_ELF": jnp.ones((E, L, F)), "w3_ELF": jnp.ones((E, L, F)),
              "w2_EFL": jnp.ones((E, F, L))}
-    assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE, jnp.float32),
+    assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE),
                                       dense.values()))
     packed = {f"{w}_{part}_{axes}": jnp.asarray(rng.integers(100, 130, (E, n // per, m)), jnp.uint8)
               for w, axes, n, m in (("w1", "ELF", L, F), ("w3", "ELF", L, F), ("w2", "EFL", F, L))
               for part, per in (("packed", 2), ("scale", 32))}
-    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4, jnp.bfloat16)
+    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4)   # packed, never dequantized here
+    assert all(isinstance(w, Mxfp4Weights) for w in (w1, w3, w2))
     assert (w1.shape, w3.shape, w2.shape) == ((E, L, F), (E, L, F), (E, F, L))
-    assert w1.dtype == jnp.bfloat16
+    assert w2.packed_GKN is packed["w2_packed_EFL"] and w2.scale_GKN is packed["w2_scale_EFL"]
     with pytest.raises(KeyError):            # a packed dict is never mistaken for dense
-        expert_weights(packed, ExpertStorage.DENSE, jnp.float32)
+        expert_weights(packed, ExpertStorage.DENSE)
 
 
 # -- one device under EP: nothing to exchange -----------------------------------------

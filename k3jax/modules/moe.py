@@ -12,7 +12,8 @@ Routed experts are stored either dense (``ExpertStorage.DENSE``: the three
 arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
 of w1/w3/w2 a uint8 code array packed along its input axis and a UE8M0 scale
 array, e.g. w1_packed_ELF [E, L/2, F] and w1_scale_ELF [E, L/32, F]; 0.53125 B
-per parameter in device memory, dequantized inside the forward).
+per parameter in device memory; the grouped matmuls take them packed as
+``Mxfp4Weights`` and dequantize one active expert at a time).
 
 Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch``:
     moe_rows_local   Dispatch.OWN_ROWS: each device routes its own rows; rows
@@ -43,10 +44,12 @@ from k3jax.layout import TENSOR, Dispatch, Layout, LayoutError, MlpMode, MoEMode
 from k3jax.modules.mlp import KimiMLP, mlp_local, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
+from k3jax.ops.experts import ExpertWeight
 from k3jax.ops.matmul import matmul
-from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4
+from k3jax.ops.mxfp4 import BLOCK_SIZE
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import Backend
+from pallas_kernels.mxfp4 import Mxfp4Weights
 
 
 class ExpertStorage(enum.Enum):
@@ -126,18 +129,15 @@ def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     return decls
 
 
-def expert_weights(p: dict, experts: ExpertStorage, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(w1_ELF, w3_ELF, w2_EFL) in ``dtype`` from this device's expert shards
-    ``p``: as stored (DENSE), or dequantized from the packed codes (MXFP4)."""
+def expert_weights(p: dict, experts: ExpertStorage) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+    """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
+    arrays as stored (DENSE), or Mxfp4Weights of the packed codes and scales
+    (MXFP4; the grouped matmuls dequantize them, one active expert at a time,
+    to the activations' dtype)."""
     if experts is ExpertStorage.DENSE:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
-
-    def unpack(w: str, suffix: str):   # packed along axis 1 -> decode along the last axis
-        packed, scale = p[f"{w}_packed_{suffix}"], p[f"{w}_scale_{suffix}"]
-        return jnp.swapaxes(decode_mxfp4(jnp.swapaxes(packed, 1, 2), jnp.swapaxes(scale, 1, 2),
-                                         dtype), 1, 2)
-
-    return unpack("w1", "ELF"), unpack("w3", "ELF"), unpack("w2", "EFL")
+    return tuple(Mxfp4Weights(p[f"{w}_packed_{axes}"], p[f"{w}_scale_{axes}"])
+                 for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL")))
 
 
 # -- per-device bodies (inside shard_map) --------------------------------------
@@ -173,7 +173,7 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
             lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
         if layout.moe_mode is MoEMode.EP:
             first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
+        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
                               first_expert=first_expert, backend=backend)
         if axes:
             r_TL = scatter_rows(r_TL, axes)
@@ -205,7 +205,7 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
         first_expert = 0
         if layout.moe_mode is MoEMode.EP:
             first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts, x_TD.dtype), act,
+        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
                               first_expert=first_expert, backend=backend)
         if axes:
             r_TL = scatter_rows(r_TL, axes)

@@ -9,17 +9,22 @@ import jax.numpy as jnp
 from k3jax.ops.activation import SiTU
 from pallas_kernels.backend import Backend
 from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
+from pallas_kernels.mxfp4 import Mxfp4Weights
+
+ExpertWeight = jax.Array | Mxfp4Weights
 
 
 def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
-                   w1_ELF: jax.Array, w3_ELF: jax.Array, w2_EFL: jax.Array, act: SiTU,
+                   w1_ELF: ExpertWeight, w3_ELF: ExpertWeight, w2_EFL: ExpertWeight, act: SiTU,
                    *, first_expert: jax.Array | int = 0,
                    backend: Backend = "auto") -> jax.Array:
     """sum_k weights_TK[t, k] * expert_{ids_TK[t, k]}(lat_TL[t]) over the experts
     held here, which are global ids [first_expert, first_expert + E_local).
 
     lat_TL [T, L]; ids_TK, weights_TK [T, K]; w1_ELF, w3_ELF [E_local, L, F];
-    w2_EFL [E_local, F, L]. Pairs whose expert is not held here (another
+    w2_EFL [E_local, F, L]; each either an array or Mxfp4Weights (packed along
+    its input axis L / F; dequantized inside the grouped matmuls to lat's
+    dtype, one active expert at a time). Pairs whose expert is not held here (another
     device's, or the out-of-range id of a padding row) contribute nothing.
     Returns the float32 partial sum [T, L] (partial over experts under EP and
     over F under TP; the caller reduces it).

@@ -1,10 +1,16 @@
 """Public grouped-matmul entry points: validate shapes, then dispatch on backend.
 
-"xla" -> reference.py (jax.lax.ragged_dot), "pallas" -> mosaic_sm90.py on a
+"xla" -> blocked.py (a sorted, blocked scan; reference.py's jax.lax.ragged_dot
+is the test oracle: XLA expands it densely), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
 "auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
+
+Weights may be MXFP4 (``pallas_kernels.mxfp4.Mxfp4Weights``: codes packed
+along K + UE8M0 scales); they run the blocked path on every backend, which
+dequantizes one active group at a time inside its loop (no Mosaic kernel
+takes packed weights yet).
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import mosaic_sm90, reference
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90
+from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.situ import check_betas
 
 
@@ -33,7 +40,10 @@ def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> No
     _check_ndim(w_name, w_GKN, 3)
     _check_ndim("group_sizes_G", group_sizes_G, 1)
     _check_floating("x_MK", x_MK)
-    _check_floating(w_name, w_GKN)
+    if isinstance(w_GKN, Mxfp4Weights):
+        w_GKN.validate(w_name)
+    else:
+        _check_floating(w_name, w_GKN)
     if not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
         raise ValueError(f"group_sizes_G must be an integer array, got {group_sizes_G.dtype}")
     if x_MK.shape[1] != w_GKN.shape[1]:
@@ -45,28 +55,30 @@ def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> No
             f"group_sizes_G length {group_sizes_G.shape[0]} != {w_name} G={w_GKN.shape[0]}")
 
 
-def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes_G: jax.Array, *,
                    backend: Backend = "auto") -> jax.Array:
     """y_MN = x_MK @ w_GKN[g] for rows of group g (rows sorted by group).
 
-    x_MK [M, K], w_GKN [G, K, N], group_sizes_G int [G] (traced ok, sum <= M).
+    x_MK [M, K], w_GKN [G, K, N] (or Mxfp4Weights of that logical shape),
+    group_sizes_G int [G] (traced ok, sum <= M).
     Returns [M, N] in x's dtype, accumulated in f32; rows >= sum(group_sizes) are 0.
     """
     validate_grouped(x_MK, w_GKN, group_sizes_G)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if impl == "xla":
-        return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if impl == "xla" or isinstance(w_GKN, Mxfp4Weights):
+        return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
                                       interpret=impl == "interpret")
 
 
-def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array,
+def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
+                     w_up_GKN: jax.Array | Mxfp4Weights,
                      group_sizes_G: jax.Array, *, beta: float, linear_beta: float | None,
                      backend: Backend = "auto") -> jax.Array:
     """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) per row's group, fused on "pallas".
 
-    x_MK [M, K], w_gate_GKN / w_up_GKN [G, K, N], group_sizes_G int [G].
+    x_MK [M, K], w_gate_GKN / w_up_GKN [G, K, N] (or Mxfp4Weights), group_sizes_G int [G].
     Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0.
     """
     validate_grouped(x_MK, w_gate_GKN, group_sizes_G, w_name="w_gate_GKN")
@@ -77,9 +89,9 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if impl == "xla":
-        return reference.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
-                                          beta=beta, linear_beta=linear_beta)
+    if impl == "xla" or isinstance(w_gate_GKN, Mxfp4Weights) or isinstance(w_up_GKN, Mxfp4Weights):
+        return blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                        beta=beta, linear_beta=linear_beta)
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")

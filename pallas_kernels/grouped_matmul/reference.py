@@ -1,5 +1,8 @@
 """Plain-XLA grouped matmul (the reference every kernel is tested against).
 
+jax.lax.ragged_dot: exact, but XLA (jax 0.11.2) expands it densely ([M, G*K]
+on GPU and CPU), so the "xla" backend runs blocked.py instead.
+
 Rows of x_MK are sorted by group: rows [off_g, off_g + group_sizes_G[g]) use
 w_GKN[g]. Rows at index >= sum(group_sizes_G) come out as exact zeros.
 """

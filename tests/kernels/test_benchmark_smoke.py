@@ -24,7 +24,7 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
                           timeout=300, env=env, cwd=_REPO, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out_json.read_text())
-    assert set(result) == {"meta", "ceilings", "grouped", "mlp"}
+    assert set(result) == {"meta", "ceilings", "grouped", "mlp", "mxfp4"}
     assert {"date", "gpu", "jax_version", "command", "kernel_backend", "iters"} <= set(result["meta"])
     assert result["meta"]["kernel_backend"] == "interpret" and result["meta"]["complete"] is True
     assert result["ceilings"]["matmul_tflops"] > 0 and result["ceilings"]["copy_tbps"] > 0
@@ -38,8 +38,13 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
         assert row["speedup"] > 0
     assert {"rows", "local_experts", "active_experts", "small"} <= set(result["grouped"][0])
     assert result["mlp"] and result["mlp"][0]["op"] == "situ_mlp_up"
+    assert {r["op"] for r in result["mxfp4"]} == {"gate_up_situ", "down"}
+    for row in result["mxfp4"]:   # packed vs bf16 weights vs dequantize + ragged_dot
+        assert "error" not in row and row["max_rel_err"] <= 1e-2, row
+        assert {"mxfp4", "bf16", "dequant_ragged_dot"} <= set(row) and row["mxfp4"]["us"] > 0
     markdown = out_md.read_text()
     assert "Ceilings" in markdown and "| gate_up_situ |" in markdown and "| situ_mlp_up |" in markdown
+    assert "MXFP4 experts" in markdown
 
     png = tmp_path / "bench.png"
     plot = subprocess.run([sys.executable, _PLOT, str(out_json), "-o", str(png)],

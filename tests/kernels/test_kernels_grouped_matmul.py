@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
-from pallas_kernels.grouped_matmul import mosaic_sm90, reference
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -280,7 +280,7 @@ def test_backend_dispatch(monkeypatch):
         assert resolve_backend("auto") == "xla"
     # Which implementation each backend name really calls (spies; the kernel is not run).
     calls = []
-    for module, label in ((reference, "xla"), (mosaic_sm90, "mosaic")):
+    for module, label in ((blocked, "xla"), (mosaic_sm90, "mosaic")):
         for fn in ("grouped_matmul", "grouped_situ_glu"):
             def spy(*args, _label=label, _fn=fn, _orig=getattr(module, fn), **kwargs):
                 calls.append((_fn, _label, kwargs.get("interpret")))
