@@ -2,7 +2,8 @@
 
 "xla" -> reference.py (jax.lax.ragged_dot), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
-"auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
+"triton" -> triton_sm80.py through jax-triton (CUDA sm_80+), "auto" -> "pallas"
+on sm_90, "triton" on other CUDA GPUs, else "xla" (see pallas_kernels.backend).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 """
@@ -45,6 +46,17 @@ def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> No
             f"group_sizes_G length {group_sizes_G.shape[0]} != {w_name} G={w_GKN.shape[0]}")
 
 
+def triton_kernels():
+    """pallas_kernels.grouped_matmul.triton_sm80, imported on first use: it
+    needs the optional ``triton`` extra (jax-triton, triton)."""
+    try:
+        from pallas_kernels.grouped_matmul import triton_sm80
+    except ImportError as e:
+        raise RuntimeError(f"backend='triton' needs jax-triton and triton: pip install "
+                           f"'k3jax[triton]' ({e})") from None
+    return triton_sm80
+
+
 def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
                    backend: Backend = "auto") -> jax.Array:
     """y_MN = x_MK @ w_GKN[g] for rows of group g (rows sorted by group).
@@ -57,6 +69,8 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, 
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     if impl == "xla":
         return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if impl == "triton":
+        return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
                                       interpret=impl == "interpret")
 
@@ -80,6 +94,9 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array
     if impl == "xla":
         return reference.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                           beta=beta, linear_beta=linear_beta)
+    if impl == "triton":
+        return triton_kernels().grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                                 beta=beta, linear_beta=linear_beta)
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
