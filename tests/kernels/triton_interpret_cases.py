@@ -27,9 +27,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_cases import BETA, LINEAR_BETA, group_pattern, grouped_inputs, poison_tail  # noqa: E402
-
 from k3jax.ops.mxfp4 import decode_mxfp4  # noqa: E402
+from kernel_cases import BETA, LINEAR_BETA, group_pattern, grouped_inputs, poison_tail  # noqa: E402
 from pallas_kernels.grouped_matmul import reference, triton_sm80  # noqa: E402
 from pallas_kernels.grouped_matmul.mosaic_sm90 import work_items_4W  # noqa: E402
 
