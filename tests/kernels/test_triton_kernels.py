@@ -69,6 +69,9 @@ INTERPRET_CASES = [
     # the dense MLP: one group holding every row
     _case("mlp_one_group", "situ", 33, 96, 80, 1, "one_group_all", poison=False, seed=20),
 ]
+# identity x: the output is the in-kernel dequantized weight, bit for bit
+DECODE_CASE = _case("mxfp4_decode_exact", "mxfp4_decode", 64, 64, 48, 1, "one_group_all",
+                    mxfp4=True, poison=False, seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def interpreted(tmp_path_factory):
            "PYTHONPATH": os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, os.path.join(_HERE, "triton_interpret_cases.py"),
-         json.dumps(INTERPRET_CASES), str(out)],
+         json.dumps(INTERPRET_CASES + [DECODE_CASE]), str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(np.load(out))
@@ -95,6 +98,20 @@ def test_interpreter_matches_xla_reference(case, interpreted):
         assert np.abs(ref[:sizes.sum()]).max() > 0.1
     block_m = int(interpreted[f"{case['name']}/block_m"])
     assert block_m == (128 if case["m"] >= 128 * case["g"] else 16), case["name"]
+
+
+def test_in_kernel_mxfp4_dequantization_is_bit_exact(interpreted):
+    """Scale bytes 0..252 (incl. the flush-to-zero bytes 0 and 1): every
+    dequantized value equals decode_mxfp4's exactly (the identity product
+    turns -0.0 into +0.0: x @ w adds +0 terms, so zeros compare by value)."""
+    out = interpreted["mxfp4_decode_exact/out"]
+    ref = interpreted["mxfp4_decode_exact/ref"]
+    assert out.shape == ref.shape == (64, 48) and np.isfinite(ref).all()
+    assert np.count_nonzero(ref) > 0.5 * ref.size and np.abs(ref).max() > 1e30
+    assert np.abs(ref[ref != 0]).min() < 1e-36  # values near the smallest normal
+    np.testing.assert_array_equal(out, ref)
+    nonzero = ref != 0
+    np.testing.assert_array_equal(out[nonzero].view(np.uint32), ref[nonzero].view(np.uint32))
 
 
 def test_interpreter_does_not_leak():

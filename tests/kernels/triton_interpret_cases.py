@@ -6,8 +6,10 @@ before triton is imported, and must not leak into other tests):
 
     python tests/kernels/triton_interpret_cases.py CASES_JSON OUT.npz
 
-CASES_JSON: a list of {name, op ("matmul" | "situ"), mxfp4, m, k, n, g,
-pattern, poison, seed}. OUT.npz gets, per case, ``NAME/out``, ``NAME/ref``
+CASES_JSON: a list of {name, op ("matmul" | "situ" | "mxfp4_decode"), mxfp4,
+m, k, n, g, pattern, poison, seed}. "mxfp4_decode" multiplies one-hot rows
+of x by an MXFP4 weight whose scale bytes span 0..252: the output rows are
+the kernel's dequantized weight rows, ``ref`` is decode_mxfp4's. OUT.npz gets, per case, ``NAME/out``, ``NAME/ref``
 (float32) and ``NAME/sizes``. Outputs start as NaN, so a row the kernel never
 writes shows up as NaN.
 """
@@ -44,7 +46,30 @@ def mxfp4_weights(seed: int, g: int, k: int, n: int):
     return packed, scale, dense
 
 
+def run_decode_case(case: dict) -> dict[str, np.ndarray]:
+    """x = the k x k identity (one group): out = the dequantized weight."""
+    k, n = case["k"], case["n"]
+    rng = np.random.default_rng(case["seed"])
+    packed = rng.integers(0, 256, (1, k // 2, n), dtype=np.uint8)
+    edge_bytes = np.array([0, 1, 2, 100, 126, 127, 128, 200, 252], np.uint8)  # 253+ overflow
+    scale = rng.choice(edge_bytes, (1, k // 32, n)).astype(np.uint8)
+    dense = jnp.swapaxes(decode_mxfp4(jnp.swapaxes(jnp.asarray(packed), 1, 2),
+                                      jnp.swapaxes(jnp.asarray(scale), 1, 2)), 1, 2)
+    launch = triton_sm80.plan(num_rows=k, k=k, n=n, num_groups=1, x_dtype=jnp.float32,
+                              fused=False, mxfp4=True)
+    sizes = np.array([k], np.int32)
+    meta_4W = np.asarray(work_items_4W(jnp.asarray(sizes), k, launch.tiles.block_m))
+    out = torch.full((k, n), float("nan"), dtype=torch.float32)
+    args = [torch.from_numpy(np.array(a)) for a in (np.eye(k, dtype=np.float32), packed, scale,
+                                                      meta_4W)]
+    launch.kernel[launch.grid](*args, out, **launch.constexprs)
+    return {"out": out.numpy(), "ref": np.asarray(dense[0]), "sizes": sizes,
+            "block_m": np.int32(launch.tiles.block_m)}
+
+
 def run_case(case: dict) -> dict[str, np.ndarray]:
+    if case["op"] == "mxfp4_decode":
+        return run_decode_case(case)
     m, k, n, g = case["m"], case["k"], case["n"], case["g"]
     fused = case["op"] == "situ"
     num_w = 2 if fused else 1
