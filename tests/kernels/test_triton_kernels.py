@@ -16,7 +16,8 @@
    the same layer compiles through XLA's GPU pipeline for sm_90.
 4. "auto" on described devices; dispatch of backend="triton".
 
-Measured on the 2-core host: about 50 s in all (1: ~15 s, 2: ~20 s, 3: ~20 s).
+Measured on the shared 2-core host: 60 s of CPU time in all, 3.5 min wall
+under load (1: ~20 s CPU, 2: ~25 s, 3: ~10 s).
 """
 
 from __future__ import annotations
