@@ -16,8 +16,8 @@
    the same layer compiles through XLA's GPU pipeline for sm_90.
 4. "auto" on described devices; dispatch of backend="triton".
 
-Measured on the shared 2-core host: 60 s of CPU time in all, 3.5 min wall
-under load (1: ~20 s CPU, 2: ~25 s, 3: ~10 s).
+Measured on the shared 2-core host: 60 s of CPU time in all (`time`, user),
+3.5 min wall under load; the interpreter subprocess alone about 20 s CPU.
 """
 
 from __future__ import annotations
