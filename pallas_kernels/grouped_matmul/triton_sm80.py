@@ -324,7 +324,12 @@ def _call(launch: LaunchPlan, x_MK, weights: list[jax.Array], group_sizes_G, n: 
         compute_capability=target_capability(), name=launch.name, **launch.constexprs)
 
 
-def _check_mxfp4(name: str, packed_GHN, scale_GSN, k: int, n: int, g: int) -> None:
+def _check_mxfp4(name: str, packed_GHN, scale_GSN, k: int, n: int, g: int,
+                 group_sizes_G) -> None:
+    """ValueError naming the culprit unless the MXFP4 pair fits x's K and G groups."""
+    if group_sizes_G.shape != (g,) or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
+        raise ValueError(f"{name}: group_sizes_G must be int [G={g}], got "
+                         f"{group_sizes_G.dtype}{list(group_sizes_G.shape)}")
     if packed_GHN.dtype != jnp.uint8 or scale_GSN.dtype != jnp.uint8:
         raise ValueError(f"{name}: MXFP4 packed codes and scales must be uint8, got "
                          f"{packed_GHN.dtype} and {scale_GSN.dtype}")
@@ -367,7 +372,7 @@ def grouped_matmul_mxfp4(x_MK, w_packed_GHN, w_scale_GSN, group_sizes_G, *,
     (H = K/2) and UE8M0 scales uint8 [G, K/32, N] (S = K/32), dequantized in
     the kernel. x bf16 or float32; tail rows are 0."""
     (m, k), (g, _, n) = x_MK.shape, w_packed_GHN.shape
-    _check_mxfp4("grouped_matmul_mxfp4 w", w_packed_GHN, w_scale_GSN, k, n, g)
+    _check_mxfp4("grouped_matmul_mxfp4 w", w_packed_GHN, w_scale_GSN, k, n, g, group_sizes_G)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
     launch = plan(num_rows=m, k=k, n=n, num_groups=g, x_dtype=x_MK.dtype, fused=False,
@@ -381,8 +386,10 @@ def grouped_situ_glu_mxfp4(x_MK, gate_packed_GHN, gate_scale_GSN, up_packed_GHN,
     """h_MN = situ_glu(x @ decode(gate)[g], x @ decode(up)[g]), MXFP4 gate / up
     as in grouped_matmul_mxfp4; tail rows are 0."""
     (m, k), (g, _, n) = x_MK.shape, gate_packed_GHN.shape
-    _check_mxfp4("grouped_situ_glu_mxfp4 gate", gate_packed_GHN, gate_scale_GSN, k, n, g)
-    _check_mxfp4("grouped_situ_glu_mxfp4 up", up_packed_GHN, up_scale_GSN, k, n, g)
+    _check_mxfp4("grouped_situ_glu_mxfp4 gate", gate_packed_GHN, gate_scale_GSN, k, n, g,
+                 group_sizes_G)
+    _check_mxfp4("grouped_situ_glu_mxfp4 up", up_packed_GHN, up_scale_GSN, k, n, g,
+                 group_sizes_G)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
     launch = plan(num_rows=m, k=k, n=n, num_groups=g, x_dtype=x_MK.dtype, fused=True,

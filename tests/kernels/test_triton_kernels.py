@@ -279,6 +279,8 @@ def test_entry_point_validation():
     sizes = jnp.array([4, 4], jnp.int32)
     with pytest.raises(ValueError, match=r"scales \[G, K/32, N\] = \[2, 2, 16\].*\[2, 3, 16\]"):
         triton_sm80.grouped_matmul_mxfp4(x, packed, jnp.zeros((2, 3, 16), jnp.uint8), sizes)
+    with pytest.raises(ValueError, match=r"group_sizes_G must be int \[G=2\], got int32\[3\]"):
+        triton_sm80.grouped_matmul_mxfp4(x, packed, scale, jnp.array([4, 4, 0], jnp.int32))
     with pytest.raises(ValueError, match="must be uint8"):
         triton_sm80.grouped_matmul_mxfp4(x, packed.astype(jnp.int8), scale, sizes)
     with pytest.raises(ValueError, match="K a multiple of 32"):

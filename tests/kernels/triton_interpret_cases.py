@@ -9,8 +9,9 @@ before triton is imported, and must not leak into other tests):
 CASES_JSON: a list of {name, op ("matmul" | "situ" | "mxfp4_decode"), mxfp4,
 m, k, n, g, pattern, poison, seed}. "mxfp4_decode" multiplies one-hot rows
 of x by an MXFP4 weight whose scale bytes span 0..252: the output rows are
-the kernel's dequantized weight rows, ``ref`` is decode_mxfp4's. OUT.npz gets, per case, ``NAME/out``, ``NAME/ref``
-(float32) and ``NAME/sizes``. Outputs start as NaN, so a row the kernel never
+the kernel's dequantized weight rows, ``ref`` is decode_mxfp4's. OUT.npz
+gets, per case, ``NAME/out``, ``NAME/ref`` (float32), ``NAME/sizes`` and
+``NAME/block_m``. Outputs start as NaN, so a row the kernel never
 writes shows up as NaN.
 """
 
