@@ -7,7 +7,8 @@ for sm_100+). Register and spill counts come from ``ptxas -v`` on that PTX
 (Triton reads them from the loaded module, which needs a GPU), shared memory
 from the kernel metadata.
 
-    reports = compile_all((80, 89, 90, 100))     # [CubinReport, ...]
+    reports = compile_all((80, 89, 90, 100))     # [CubinReport, ...] at K3 shapes, EP 8
+    compile_all((90,), kernel_configs((jnp.bfloat16,), KernelShapes(local_experts=56)))
     print(format_table(reports))
     python -m pallas_kernels.triton_compile 80 90  # the same, from a shell
 
@@ -36,10 +37,28 @@ CAPABILITIES = (80, 89, 90, 100)
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024,
               100: 227 * 1024, 120: 99 * 1024}
 
-# K3 shapes (SPEC 1) at EP 8: 112 local experts, L = 3584, I = 3072; the
-# shared expert's MLP is D = 7168 -> F = 6144 (tp 1).
-_EXPERTS, _L, _I, _D, _F = 112, 3584, 3072, 7168, 6144
-_DECODE_TOKENS, _PREFILL_TOKENS, _TOP_K = 64, 8192, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+    """Per-device shapes the kernels are compiled for. Default: K3 (SPEC 1) at
+    EP 8: 112 local experts, latent L = 3584, expert intermediate I = 3072,
+    the shared expert's MLP D = 7168 -> F = 6144 (tp 1), top-k 16; decode at 64
+    tokens, prefill at 8192 (which tile set a launch gets depends on rows / G)."""
+
+    local_experts: int = 112
+    latent: int = 3584
+    inter: int = 3072
+    hidden: int = 7168
+    mlp_inter: int = 6144
+    top_k: int = 16
+    decode_tokens: int = 64
+    prefill_tokens: int = 8192
+    beta: float = 4.0
+    linear_beta: float | None = 25.0
+
+
+K3_EP8 = KernelShapes()
 _TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float16): "fp16",
                  jnp.dtype(jnp.float32): "fp32"}
 
@@ -74,21 +93,26 @@ class CubinReport:
         return SMEM_LIMIT[self.capability]
 
 
-def kernel_configs(dtypes=(jnp.bfloat16, jnp.float32)) -> list[KernelConfig]:
-    """Every op x weight format x tile choice the entry points can launch, at K3 shapes."""
+def kernel_configs(dtypes=(jnp.bfloat16, jnp.float32),
+                   shapes: KernelShapes = K3_EP8) -> list[KernelConfig]:
+    """Every op x weight format x tile choice the entry points can launch, at ``shapes``
+    (``k3jax compile`` passes a layout's per-device shapes)."""
     configs = []
+    act = dict(beta=shapes.beta, linear_beta=shapes.linear_beta)
+    ops = (("gate_up_situ", True, shapes.latent, shapes.inter),
+           ("down", False, shapes.inter, shapes.latent))
     for dtype in map(jnp.dtype, dtypes):
-        for phase, tokens in (("decode", _DECODE_TOKENS), ("prefill", _PREFILL_TOKENS)):
-            rows = tokens * _TOP_K
-            for op, fused, k, n in (("gate_up_situ", True, _L, _I), ("down", False, _I, _L)):
+        for phase, tokens in (("decode", shapes.decode_tokens), ("prefill", shapes.prefill_tokens)):
+            rows = tokens * shapes.top_k
+            for op, fused, k, n in ops:
                 for mxfp4 in (False, True):
-                    launch = triton_sm80.plan(num_rows=rows, k=k, n=n, num_groups=_EXPERTS,
-                                              x_dtype=dtype, fused=fused, mxfp4=mxfp4,
-                                              beta=4.0, linear_beta=25.0)
+                    launch = triton_sm80.plan(num_rows=rows, k=k, n=n,
+                                              num_groups=shapes.local_experts, x_dtype=dtype,
+                                              fused=fused, mxfp4=mxfp4, **act)
                     fmt = _FORMAT_NAMES[mxfp4, dtype.name]
                     configs.append(KernelConfig(f"{op}/{fmt}/{phase}", launch, dtype, mxfp4))
-            launch = triton_sm80.plan(num_rows=tokens, k=_D, n=_F, num_groups=1, x_dtype=dtype,
-                                      fused=True, mxfp4=False, beta=4.0, linear_beta=25.0)
+            launch = triton_sm80.plan(num_rows=tokens, k=shapes.hidden, n=shapes.mlp_inter,
+                                      num_groups=1, x_dtype=dtype, fused=True, mxfp4=False, **act)
             configs.append(KernelConfig(f"mlp_up_situ/{_FORMAT_NAMES[False, dtype.name]}/{phase}",
                                         launch, dtype, False))
     return configs
