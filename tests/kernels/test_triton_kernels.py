@@ -4,7 +4,7 @@
    with TRITON_INTERPRET=1, tests/kernels/triton_interpret_cases.py) on fresh
    random float32 inputs, ragged and empty groups, NaN rows past
    sum(group_sizes), dense and MXFP4 weights, decode and prefill tiles, and
-   match the float32 XLA reference (measured <= 2e-6 relative). bf16 is not
+   match the float32 XLA reference (measured 2.4e-7..3.4e-6 relative). bf16 is not
    run there: the interpreter's bf16 tl.dot is wrong (triton issue 11584).
 2. Cubins: every bf16 / MXFP4 configuration at K3 shapes compiles for sm_80 and
    sm_90 (Triton's bundled ptxas) without spills and within the shared
@@ -45,7 +45,7 @@ from pallas_kernels.triton_target import target_capability, triton_target
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 
-# float32 kernel vs float32 XLA (measured 2e-7 plain, <= 2e-6 with the SiTU
+# float32 kernel vs float32 XLA (measured 2.4e-7..2.8e-7 plain, 4.5e-7..3.4e-6 with the SiTU
 # epilogue, whose tanh is built from exp).
 TOL_INTERPRET = 1e-5
 
