@@ -88,7 +88,8 @@ def format_grouped_row(r: dict) -> str:
             f"{_fmt(r, 'kernel', 'tflops', '6.1f')} TF/s ({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense)"
             f" | xla {_fmt(r, 'xla', 'us', '10.1f')} us ({_fmt(r, 'xla', 'pct_dense', '4.1f')}%)"
             f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else "")
-            + (f" | jax mosaic {_fmt(r, 'jax_mosaic', 'us', '.1f')} us" if "jax_mosaic" in r else ""))
+            + (f" | jax mosaic {_fmt(r, 'jax_mosaic', 'us', '.1f')} us" if "jax_mosaic" in r else "")
+            + (f" | triton {_fmt(r, 'triton', 'us', '.1f')} us" if "triton" in r else ""))
 
 
 def format_mlp_row(r: dict) -> str:
@@ -98,7 +99,8 @@ def format_mlp_row(r: dict) -> str:
     return (f"{head} kernel {_fmt(r, 'kernel', 'us', '9.1f')} us "
             f"({_fmt(r, 'kernel', 'pct_dense', '4.1f')}% dense, "
             f"weights {_fmt(r, 'kernel', 'pct_copy', '.0f')}% copy) | xla "
-            f"{_fmt(r, 'xla', 'us', '9.1f')} us | x{r.get('speedup', float('nan')):.2f}")
+            f"{_fmt(r, 'xla', 'us', '9.1f')} us | x{r.get('speedup', float('nan')):.2f}"
+            + (f" | triton {_fmt(r, 'triton', 'us', '.1f')} us" if "triton" in r else ""))
 
 
 def _table(headers: list[str], lead: list[list], cells: list[list[str] | str]) -> list[str]:
@@ -135,7 +137,8 @@ def to_markdown(result: dict) -> str:
     lines.append("")
     lines += _table(
         ["op", "EP", "local experts", "tokens", "rows", "kernel us", "XLA us", "speedup",
-         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)", "jax Mosaic ragged_dot us"],
+         "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)", "jax Mosaic ragged_dot us",
+         "Triton us"],
         [[r["op"], r["ep"], r["local_experts"], r["tokens"], r["rows"]] for r in grouped],
         [_status(r) or [
             _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
@@ -143,15 +146,18 @@ def to_markdown(result: dict) -> str:
             _fmt(r, "xla", "pct_dense", ".1f"),
             (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
              if r["small"] else ""),
-            _fmt(r, "jax_mosaic", "us", ".1f") if r["op"] == "down" else ""] for r in grouped])
+            _fmt(r, "jax_mosaic", "us", ".1f") if r["op"] == "down" else "",
+            _fmt(r, "triton", "us", ".1f") if "triton" in r else ""] for r in grouped])
     lines.append("")
     mlp = result["mlp"]
     lines += _table(
-        ["op", "tp", "D", "F", "tokens", "kernel us", "XLA us", "speedup", "kernel % dense"],
+        ["op", "tp", "D", "F", "tokens", "kernel us", "XLA us", "speedup", "kernel % dense",
+         "Triton us"],
         [["situ_mlp_up", r["tp"], r["D"], r["F"], r["tokens"]] for r in mlp],
         [_status(r) or [
             _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
-            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f")]
+            f"{r.get('speedup', float('nan')):.2f}", _fmt(r, "kernel", "pct_dense", ".1f"),
+            _fmt(r, "triton", "us", ".1f") if "triton" in r else ""]
          for r in mlp])
     lines += _mxfp4_table(result.get("mxfp4", []))
     return "\n".join(lines) + "\n"

@@ -15,6 +15,12 @@ One run measures, on one GPU:
     F = 6144 / tp) vs the unfused XLA reference;
   * MXFP4 experts at the first EP (bench_mxfp4.py): packed weights vs bf16
     weights vs "dequantize + ragged_dot", with packed bytes per parameter.
+  * with jax-triton installed (the ``triton`` extra): the Triton kernels
+    (--backend triton, pallas_kernels/*/triton_sm80.py) as a peer on every
+    grouped and MLP row of a Hopper run ("triton" column), and MXFP4 rows
+    (op "*_mxfp4": the Triton kernels dequantizing packed E2M1 weights in
+    registers vs XLA decode + ragged_dot). On a CUDA GPU that is not Hopper
+    the Triton kernels are the kernel column (no Mosaic).
 Every kernel output is checked against the XLA reference before it is timed.
 Timing: jit, warm-up, block_until_ready, median of --iters samples (each
 sample averages enough back-to-back calls to last about 1 ms, so Python
@@ -24,10 +30,11 @@ short by a time limit still leaves what it measured.
 
   python benchmarks/gpu_kernels.py --keep-going --json out.json --markdown out.md  # H200
   python benchmarks/gpu_kernels.py --lower-only   # CPU: lower every kernel config for sm_90
+  python benchmarks/gpu_kernels.py --lower-triton # CPU: the same for the Triton rows
   python benchmarks/gpu_kernels.py --smoke --json /tmp/smoke.json                  # CPU, seconds
 
 Exit status: 0 all rows measured and correct; 1 some row failed (with
---keep-going) or some config failed to lower (--lower-only); 2 usage error;
+--keep-going) or some config failed to lower (--lower-only, --lower-triton); 2 usage error;
 3 a kernel was wrong or failed (without --keep-going: nothing after it runs).
 """
 
@@ -36,8 +43,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -54,7 +61,8 @@ from bench_mxfp4 import device_memory_bytes, run_mxfp4
 from bench_report import Results, format_grouped_row, format_mlp_row
 from bench_timing import TIMERS, pick_timing, time_all
 
-from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
+from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend, situ_glu, situ_mlp_up
+from pallas_kernels.grouped_matmul import reference
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -97,6 +105,8 @@ class GroupedCase:
 
     op "gate_up_situ": x [rows, latent] -> [rows, inter], two weights;
     op "down":         x [rows, inter] -> [rows, latent], one weight.
+    mxfp4: the weights are MXFP4 (packed uint8 [G, K/2, N] + UE8M0 scales
+    [G, K/32, N] each), run by the Triton kernels only (label "<op>_mxfp4").
     """
 
     op: str
@@ -107,24 +117,37 @@ class GroupedCase:
     k: int
     n: int
     num_weights: int
+    mxfp4: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.op + "_mxfp4" * self.mxfp4
 
     @property
     def name(self) -> str:
-        return f"{self.op} ep={self.ep} tokens={self.tokens}"
+        return f"{self.label} ep={self.ep} tokens={self.tokens}"
 
     def fields(self) -> dict:
-        return {"op": self.op, "ep": self.ep, "local_experts": self.local_experts,
+        return {"op": self.label, "ep": self.ep, "local_experts": self.local_experts,
                 "tokens": self.tokens, "rows": self.rows, "K": self.k, "N": self.n}
 
     def arg_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """(x_MK, *w_GKN, group_sizes_G) shapes of the kernel's arguments."""
         S = jax.ShapeDtypeStruct
-        w = S((self.local_experts, self.k, self.n), DTYPE)
-        return (S((self.rows, self.k), DTYPE), *[w] * self.num_weights,
+        if self.mxfp4:
+            w = [S((self.local_experts, self.k // 2, self.n), jnp.uint8),
+                 S((self.local_experts, self.k // 32, self.n), jnp.uint8)]
+        else:
+            w = [S((self.local_experts, self.k, self.n), DTYPE)]
+        return (S((self.rows, self.k), DTYPE), *w * self.num_weights,
                 S((self.local_experts,), jnp.int32))
 
     def fn(self, backend: str) -> Callable:
-        """The op on ``backend`` as f(x, *weights, group_sizes)."""
+        """The op on ``backend`` as f(x, *weights, group_sizes); MXFP4 weights
+        come as (packed, scale) pairs: "triton" dequantizes them in the kernel,
+        "xla" decodes them in XLA (bf16) before the reference."""
+        if self.mxfp4:
+            return mxfp4_fn(self.op, backend)
         if self.op == "gate_up_situ":
             return lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend=backend, **SITU)
         return lambda x, w, s: grouped_matmul(x, w, s, backend=backend)
@@ -132,6 +155,42 @@ class GroupedCase:
     def epilogue(self, *products_f32):
         """What the kernel applies to its f32 products (for the spot check)."""
         return situ_glu(*products_f32, **SITU) if self.op == "gate_up_situ" else products_f32[0]
+
+
+def _decode_GKN(packed_GHN, scale_GSN):
+    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (decode_mxfp4 along K)."""
+    from k3jax.ops.mxfp4 import decode_mxfp4
+    return jnp.swapaxes(decode_mxfp4(jnp.swapaxes(packed_GHN, 1, 2), jnp.swapaxes(scale_GSN, 1, 2),
+                                     DTYPE), 1, 2)
+
+
+def mxfp4_fn(op: str, backend: str) -> Callable:
+    """f(x, *(packed, scale) per weight, group_sizes) on "triton" or "xla"."""
+    if backend == "xla":
+        if op == "gate_up_situ":
+            return lambda x, gp, gs, up, us, s: reference.grouped_situ_glu(
+                x, _decode_GKN(gp, gs), _decode_GKN(up, us), s, **SITU)
+        return lambda x, p, sc, s: reference.grouped_matmul(x, _decode_GKN(p, sc), s)
+    if backend != "triton":
+        raise ValueError(f"MXFP4 rows run on the triton or xla backend, not {backend!r}")
+    from pallas_kernels.grouped_matmul import triton_sm80
+    if op == "gate_up_situ":
+        return lambda x, gp, gs, up, us, s: triton_sm80.grouped_situ_glu_mxfp4(
+            x, gp, gs, up, us, s, **SITU)
+    return lambda x, p, sc, s: triton_sm80.grouped_matmul_mxfp4(x, p, sc, s)
+
+
+def _dense_weights(case: GroupedCase, ws: tuple) -> tuple:
+    """The weights as dense bf16 [G, K, N] (MXFP4 (packed, scale) pairs decoded)
+    for the spot check; the arrays themselves for bf16 cases."""
+    if not case.mxfp4:
+        return ws
+    return tuple(_decode_GKN(ws[i], ws[i + 1]) for i in range(0, len(ws), 2))
+
+
+def triton_available() -> bool:
+    """jax-triton (the ``triton`` extra) is installed."""
+    return importlib.util.find_spec("jax_triton") is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +219,16 @@ class MlpCase:
         return lambda x, gate, up: situ_mlp_up(x, gate, up, backend=backend, **SITU)
 
 
-def grouped_cases(plan: Plan) -> list[GroupedCase]:
-    """Every grouped config of the plan, ordered by tokens, then EP, then op:
-    a run cut short by --time-budget loses the largest token counts of every
-    EP rather than a whole EP."""
+def grouped_cases(plan: Plan, mxfp4: bool = False) -> list[GroupedCase]:
+    """Every grouped config of the plan, ordered by tokens, then EP, then op
+    (then bf16 before MXFP4 weights when ``mxfp4``): a run cut short by
+    --time-budget loses the largest token counts of every EP rather than a
+    whole EP."""
     ops = (("gate_up_situ", plan.latent, plan.inter, 2), ("down", plan.inter, plan.latent, 1))
-    return [GroupedCase(op, ep, plan.num_experts // ep, tokens, tokens * plan.top_k, k, n, num_w)
-            for tokens in plan.tokens for ep in plan.eps for op, k, n, num_w in ops]
+    return [GroupedCase(op, ep, plan.num_experts // ep, tokens, tokens * plan.top_k, k, n, num_w,
+                        mx)
+            for tokens in plan.tokens for ep in plan.eps for op, k, n, num_w in ops
+            for mx in ((False, True) if mxfp4 else (False,))]
 
 
 def mlp_cases(plan: Plan) -> list[MlpCase]:
@@ -362,41 +424,67 @@ def jax_mosaic_ragged_dot(case: GroupedCase) -> Callable:
 
 def run_grouped(plan: Plan, sweep: Sweep) -> None:
     """The grouped MoE sweep: token counts x EP x ops, one row each."""
-    weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes
-    for case in grouped_cases(plan):
+    weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes (+ 3.5 MXFP4)
+    with_triton = sweep.kernel_backend in ("pallas", "triton") and triton_available()
+    for case in grouped_cases(plan, mxfp4=with_triton):
         if sweep.out_of_time():
             sweep.results.add("grouped", {**case.fields(), "skipped": "time budget"})
             print(format_grouped_row(sweep.results.data["grouped"][-1]))
             continue
         if case.ep not in weights_by_ep:
-            weights_by_ep[case.ep] = _expert_weights(plan, case)
+            weights_by_ep[case.ep] = _expert_weights(plan, case, mxfp4=with_triton)
         w = weights_by_ep[case.ep]
         ws = (w["gate"], w["up"]) if case.op == "gate_up_situ" else (w["down"],)
+        if case.mxfp4:
+            names = ("gate", "up") if case.op == "gate_up_situ" else ("down",)
+            ws = tuple(a for name in names for a in w[name + "_mxfp4"])
         sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
                                                seed=case.tokens + case.ep))
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
         active = int(jnp.sum(sizes > 0))
         peers = ({"jax_mosaic": jax_mosaic_ragged_dot(case)}
-                 if case.op == "down" and sweep.kernel_backend == "pallas" else {})
+                 if case.op == "down" and sweep.kernel_backend == "pallas" and not case.mxfp4
+                 else {})
+        if with_triton and sweep.kernel_backend == "pallas" and not case.mxfp4:
+            peers["triton"] = case.fn("triton")
+        # MXFP4 rows: the Triton kernel is the kernel; 0.53125 B per weight element
+        kernel_fn = case.fn("triton" if case.mxfp4 else sweep.kernel_backend)
         row = sweep.measure(
-            case.name, case.fn(sweep.kernel_backend), case.fn("xla"), (x, *ws, sizes),
+            case.name, kernel_fn, case.fn("xla"), (x, *ws, sizes),
             flops=2.0 * case.rows * case.k * case.n * case.num_weights,
-            weight_bytes=float(active * case.k * case.n * case.num_weights * 2),
+            weight_bytes=float(active * case.k * case.n * case.num_weights
+                               * (17 / 32 if case.mxfp4 else 2)),
             valid_rows=case.rows, peers=peers,
-            fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws, sizes=sizes))
+            fallback_check=lambda out, case=case, x=x, ws=ws, sizes=sizes: spot_check_grouped(
+                case, out, x=x, ws=_dense_weights(case, ws), sizes=sizes))
         sweep.results.add("grouped", {**case.fields(), "active_experts": active,
                                       "small": case.tokens <= plan.small_tokens, **row})
         print(format_grouped_row(sweep.results.data["grouped"][-1]))
 
 
-def _expert_weights(plan: Plan, case: GroupedCase) -> dict[str, jax.Array]:
-    """Random gate/up [G, latent, inter] and down [G, inter, latent] for one EP."""
+def _expert_weights(plan: Plan, case: GroupedCase, mxfp4: bool) -> dict:
+    """Random gate/up [G, latent, inter] and down [G, inter, latent] for one EP
+    (and, with ``mxfp4``, random MXFP4 ones: "<name>_mxfp4" = (packed, scale))."""
     keys = jax.random.split(jax.random.key(case.ep), 3)
     shape_up = (case.local_experts, plan.latent, plan.inter)
     shape_down = (case.local_experts, plan.inter, plan.latent)
-    return {"gate": jax.random.normal(keys[0], shape_up, DTYPE) * plan.latent ** -0.5,
-            "up": jax.random.normal(keys[1], shape_up, DTYPE) * plan.latent ** -0.5,
-            "down": jax.random.normal(keys[2], shape_down, DTYPE) * plan.inter ** -0.5}
+    weights = {"gate": jax.random.normal(keys[0], shape_up, DTYPE) * plan.latent ** -0.5,
+               "up": jax.random.normal(keys[1], shape_up, DTYPE) * plan.latent ** -0.5,
+               "down": jax.random.normal(keys[2], shape_down, DTYPE) * plan.inter ** -0.5}
+    if mxfp4:
+        for i, (name, (g, k, n)) in enumerate((("gate", shape_up), ("up", shape_up),
+                                               ("down", shape_down))):
+            weights[name + "_mxfp4"] = _random_mxfp4(jax.random.fold_in(keys[i], 1), g, k, n)
+    return weights
+
+
+def _random_mxfp4(key, g: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """Random MXFP4 weight: uniform codes, scale bytes 119..121 (~ N(0, 1/k)
+    magnitudes for k = 3072..3584: E2M1 codes have RMS 2.9)."""
+    kp, ks = jax.random.split(key)
+    packed = jax.random.randint(kp, (g, k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jax.random.randint(ks, (g, k // 32, n), 119, 122, jnp.int32).astype(jnp.uint8)
+    return packed, scale
 
 
 def run_mlp(plan: Plan, sweep: Sweep) -> None:
@@ -410,9 +498,12 @@ def run_mlp(plan: Plan, sweep: Sweep) -> None:
         gate = jax.random.normal(keys[0], (case.d, case.f), DTYPE) * case.d ** -0.5
         up = jax.random.normal(keys[1], (case.d, case.f), DTYPE) * case.d ** -0.5
         x = jax.random.normal(keys[2], (case.tokens, case.d), DTYPE)
+        peers = ({"triton": case.fn("triton")}
+                 if sweep.kernel_backend == "pallas" and triton_available() else {})
         row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
                             (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
-                            weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens)
+                            weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
+                            peers=peers)
         sweep.results.add("mlp", {**case.fields(), **row})
         print(format_mlp_row(sweep.results.data["mlp"][-1]))
 
@@ -440,6 +531,30 @@ def lower_all(plan: Plan) -> int:
     return failures
 
 
+def lower_all_triton(plan: Plan, capability: int = 90) -> int:
+    """Lower every Triton config of the plan (bf16 and MXFP4 grouped, MLP) for
+    sm_``capability`` through jax-triton (Triton compiles each kernel to PTX
+    here). Returns the number of configs that failed."""
+    from pallas_kernels.triton_target import triton_target
+
+    failures = 0
+    cases = [(c.name, c.fn("triton"), c.arg_specs()) for c in grouped_cases(plan, mxfp4=True)]
+    cases += [(c.name, c.fn("triton"), c.arg_specs()) for c in mlp_cases(plan)]
+    for name, fn, specs in cases:
+        t0 = time.perf_counter()
+        try:
+            with triton_target(capability):
+                text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            if "triton_kernel_call" not in text:
+                raise RuntimeError("no triton_kernel_call in the lowered module")
+            print(f"lowered  triton {name:<45} {time.perf_counter() - t0:5.2f} s")
+        except Exception as e:  # noqa: BLE001 -- report every failing config
+            failures += 1
+            print(f"FAILED   triton {name:<45} {type(e).__name__}: {str(e)[:500]}")
+    print(f"# {len(cases) - failures} of {len(cases)} Triton configs lower for sm_{capability}")
+    return failures
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -459,6 +574,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--lower-only", action="store_true",
                       help="lower every kernel config of the sweep for sm_90 and stop "
                            "(no GPU needed; a pre-flight check before a GPU run)")
+    mode.add_argument("--lower-triton", action="store_true",
+                      help="lower every Triton row of the sweep (bf16 and MXFP4 grouped, MLP) "
+                           "for sm_90 through jax-triton and stop (no GPU needed)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a BENCHMARKS.md snippet")
     p.add_argument("--iters", type=_positive_int, default=None,
@@ -506,11 +624,14 @@ def main(argv=None) -> int:
     plan = build_plan(args)
     if args.lower_only:
         return 1 if lower_all(plan) else 0
+    if args.lower_triton:
+        return 1 if lower_all_triton(plan) else 0
     iters = args.iters or (1 if args.smoke else 10)
-    kernel_backend = "interpret" if args.smoke else "pallas"
-    if not args.smoke and jax.default_backend() != "gpu":
-        print("error: the full benchmark needs a GPU (use --smoke or --lower-only on the CPU)",
-              file=sys.stderr)
+    # a GPU run: Mosaic on Hopper, Triton on other CUDA GPUs (sm_80+)
+    kernel_backend = "interpret" if args.smoke else resolve_backend("auto")
+    if not args.smoke and kernel_backend == "xla":
+        print("error: the full benchmark needs a GPU: Hopper, or CUDA sm_80+ with the triton "
+              "extra (use --smoke or --lower-only on the CPU)", file=sys.stderr)
         return 2
     start = time.monotonic()
     deadline = start + args.time_budget

@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU (Hopper, sm_90) kernels for k3jax, with XLA references.
 
 Public API (the three matmul entry points take backend="auto" | "xla" |
-"pallas" | "interpret"):
+"pallas" | "interpret" | "triton"):
   grouped_matmul(x_MK, w_GKN, group_sizes_G)                       -> y_MN
   grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, ...) -> h_MN
   situ_mlp_up(x_TD, gate_DF, up_DF, ...)                           -> h_TF

@@ -2,25 +2,65 @@
 
 "xla" runs the plain-XLA reference, "pallas" the Mosaic GPU (sm_90) kernel,
 "interpret" the same kernel through the Mosaic GPU interpret mode (CPU ok),
-and "auto" picks "pallas" on a Hopper GPU and "xla" everywhere else.
+"triton" the Triton kernels through jax-triton (CUDA sm_80 and newer), and
+"auto" picks "pallas" on a Hopper GPU, "triton" on other CUDA GPUs of
+compute capability >= 8.0 (when jax-triton is installed), "xla" elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 from typing import Literal, get_args
 
 import jax
 
-Backend = Literal["auto", "xla", "pallas", "interpret"]
-ResolvedBackend = Literal["xla", "pallas", "interpret"]
+Backend = Literal["auto", "xla", "pallas", "interpret", "triton"]
+ResolvedBackend = Literal["xla", "pallas", "interpret", "triton"]
 
 _VALID: tuple[str, ...] = get_args(Backend)
 
 
-def _device_is_hopper(device: jax.Device) -> bool:
-    """True when ``device`` reports compute capability 9.x (sm_90, H100/H200)."""
+@dataclasses.dataclass(frozen=True)
+class DeviceDescription:
+    """What "auto" looks at: ``platform`` is jax.default_backend() ("gpu",
+    "cpu", "tpu"); ``compute_capability`` the device's, "9.0" style on CUDA
+    ("" when it reports none; ROCm reports "gfx..." names); ``triton_installed``
+    whether jax-triton can be imported."""
+
+    platform: str
+    compute_capability: str
+    triton_installed: bool
+
+
+def cuda_capability(description: DeviceDescription) -> int | None:
+    """major * 10 + minor (e.g. 90) of a CUDA GPU, None for anything else."""
+    if description.platform != "gpu":
+        return None
+    major, _, minor = description.compute_capability.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return None
+    return int(major) * 10 + int(minor)
+
+
+def choose_backend(description: DeviceDescription) -> ResolvedBackend:
+    """What "auto" resolves to on a device described by ``description``."""
+    capability = cuda_capability(description)
+    if capability is None:
+        return "xla"
+    if capability // 10 == 9:
+        return "pallas"
+    if capability >= 80 and description.triton_installed:
+        return "triton"
+    return "xla"
+
+
+def default_device_description() -> DeviceDescription:
+    """The description of this process's default device."""
+    device = jax.devices()[0]
     capability = str(getattr(device, "compute_capability", "") or "")
-    return capability.split(".")[0] == "9"
+    return DeviceDescription(platform=jax.default_backend(), compute_capability=capability,
+                             triton_installed=importlib.util.find_spec("jax_triton") is not None)
 
 
 def resolve_backend(backend: Backend) -> ResolvedBackend:
@@ -30,6 +70,4 @@ def resolve_backend(backend: Backend) -> ResolvedBackend:
             f"backend={backend!r} is not one of {_VALID}")
     if backend != "auto":
         return backend  # type: ignore[return-value]
-    if jax.default_backend() == "gpu" and _device_is_hopper(jax.devices()[0]):
-        return "pallas"
-    return "xla"
+    return choose_backend(default_device_description())

@@ -44,6 +44,8 @@ def test_bad_flag_values_exit_2_naming_the_flag(argv, capsys):
 @pytest.mark.parametrize("flags, words", [
     (["--layer", "5"], "--layer 5 is out of range: the tiny synthetic checkpoint has 3 layers (0..2)"),
     (["--backend", "pallas"], "--backend pallas needs a Hopper GPU"),
+    (["--backend", "triton"], "--backend triton needs a CUDA GPU (sm_80 or newer), and the "
+                              "devices here are cpu"),
     (["--tp", "3"], "--dp 1 --tp 3 does not fit this model: moe_intermediate_size 64 is not "
                     "divisible by the 3 devices"),
 ])
@@ -54,11 +56,14 @@ def test_run_usage_errors_exit_2(flags, words, tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
-def test_bench_refuses_pallas_on_cpu_devices(tmp_path, capsys):
+@pytest.mark.parametrize("backend, words", [
+    ("pallas", "--backend pallas needs a Hopper GPU, and the devices here are cpu"),
+    ("triton", "--backend triton needs a CUDA GPU (sm_80 or newer), and the devices here are cpu"),
+])
+def test_bench_refuses_gpu_backends_on_cpu_devices(backend, words, tmp_path, capsys):
     out = tmp_path / "b.json"
-    assert main(["bench", "--backend", "pallas", "--preset", "tiny", "--json", str(out)]) == 2
-    assert "--backend pallas needs a Hopper GPU, and the devices here are cpu" in \
-        one_line_error(capsys.readouterr().err)
+    assert main(["bench", "--backend", backend, "--preset", "tiny", "--json", str(out)]) == 2
+    assert words in one_line_error(capsys.readouterr().err)
     assert os.listdir(tmp_path) == []
 
 

@@ -16,7 +16,7 @@ from k3jax.files import atomic_write, check_writable
 from k3jax.layout import DEFAULT_SHARED_OVERLAP, ParallelConfig, SharedOverlap
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-BACKENDS = ("auto", "xla", "pallas", "interpret")
+BACKENDS = ("auto", "xla", "pallas", "interpret", "triton")
 
 
 class UsageError(Exception):
@@ -58,11 +58,15 @@ def check_output(path: str | None, flag: str) -> None:
 
 
 def check_backend(backend: str, platform: str) -> None:
-    """--backend pallas needs the work to run on GPUs (Mosaic GPU kernels);
+    """--backend pallas / triton need the work to run on GPUs (Mosaic GPU /
+    Triton kernels);
     ``platform``: that of the devices the work runs on."""
     if backend == "pallas" and platform != "gpu":
         raise UsageError(f"--backend pallas needs a Hopper GPU, and the devices here are "
                          f"{platform}; use --backend interpret (or xla) instead")
+    if backend == "triton" and platform != "gpu":
+        raise UsageError(f"--backend triton needs a CUDA GPU (sm_80 or newer), and the devices "
+                         f"here are {platform}; use --backend xla instead")
 
 
 def report_errors(work: Callable[[], int], prog: str) -> int:

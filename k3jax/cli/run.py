@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
                    help="MXFP4 routed experts: keep packed in device memory (0.53125 B/param, "
                         "dequantized in the forward) or dequantize to --dtype on load")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="kernels: auto (Pallas on a Hopper GPU, else XLA), xla, pallas, interpret")
+                   help="kernels: auto (Pallas on a Hopper GPU, Triton on other CUDA GPUs "
+                        "sm_80+, else XLA), xla, pallas, interpret, triton")
     add_device_flags(p)
     add_parallel_flags(p)
     distributed.add_distributed_flags(p)

@@ -3,7 +3,8 @@
 "xla" -> blocked.py (a sorted, blocked scan; reference.py's jax.lax.ragged_dot
 is the test oracle: XLA expands it densely), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
-"auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
+"triton" -> triton_sm80.py through jax-triton (CUDA sm_80+), "auto" -> "pallas"
+on sm_90, "triton" on other CUDA GPUs, else "xla" (see pallas_kernels.backend).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
@@ -55,7 +56,10 @@ def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> No
             f"group_sizes_G length {group_sizes_G.shape[0]} != {w_name} G={w_GKN.shape[0]}")
 
 
-def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes_G: jax.Array, *,
+    if impl == "xla":
+        return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if impl == "triton":
+        return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
                    backend: Backend = "auto") -> jax.Array:
     """y_MN = x_MK @ w_GKN[g] for rows of group g (rows sorted by group).
 
@@ -66,8 +70,15 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes
     validate_grouped(x_MK, w_GKN, group_sizes_G)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if impl == "xla" or isinstance(w_GKN, Mxfp4Weights):
+    if isinstance(w_GKN, Mxfp4Weights):
+        if impl == "triton":   # in-kernel dequantization (W4A16)
+            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GKN, w_GKN.scale_GKN,
+                                                         group_sizes_G)
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if impl == "xla":
+        return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    if impl == "triton":
+        return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
                                       interpret=impl == "interpret")
 
@@ -89,9 +100,17 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if impl == "xla" or isinstance(w_gate_GKN, Mxfp4Weights) or isinstance(w_up_GKN, Mxfp4Weights):
+    packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
+    if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16)
+        return triton_kernels().grouped_situ_glu_mxfp4(
+            x_MK, w_gate_GKN.packed_GKN, w_gate_GKN.scale_GKN, w_up_GKN.packed_GKN,
+            w_up_GKN.scale_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+    if impl == "xla" or any(packed):
         return blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta)
+    if impl == "triton":
+        return triton_kernels().grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                                 beta=beta, linear_beta=linear_beta)
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")

@@ -1,7 +1,8 @@
 """Public fused MLP up-projection (gate/up + SiTU-GLU); down stays in the caller.
 
 Dispatch: "xla" -> reference.py, "pallas" -> mosaic_sm90.py, "interpret" ->
-mosaic_sm90.py in GPU interpret mode, "auto" -> "pallas" on sm_90 else "xla".
+mosaic_sm90.py in GPU interpret mode, "triton" -> triton_sm80.py (CUDA sm_80+),
+"auto" -> "pallas" on sm_90, "triton" on other CUDA GPUs, else "xla".
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.grouped_matmul.api import triton_kernels
 from pallas_kernels.situ import check_betas
 from pallas_kernels.situ_mlp import mosaic_sm90, reference
 
@@ -37,5 +39,9 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
     impl = resolve_backend(backend)
     if impl == "xla":
         return reference.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
+    if impl == "triton":
+        triton_kernels()  # a clear error without the triton extra
+        from pallas_kernels.situ_mlp import triton_sm80
+        return triton_sm80.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
     return mosaic_sm90.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta,
                                    interpret=impl == "interpret")
