@@ -356,8 +356,9 @@ def test_layer_grads_rejects_bad_shapes(eight_devices):
 
 
 # -- the Pallas kernels (interpret mode) ------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="the Pallas kernels have no VJP before branch 'vjp' "
-                   "(issue 16 item 1) is merged; delete this mark when it is")
+@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="the Pallas kernels have no VJP before branch 'vjp' "
+                   "(issue 16 item 1) is merged (jax: 'Differentiation rule for mpmd_map not "
+                   "implemented'); delete this mark when it is")
 def test_interpret_backend_gradients_match_xla():
     """--backend interpret (the Mosaic GPU kernels in interpret mode) on 2
     devices (SP + EP, sharded shared expert), dense and MoE layer: the same
