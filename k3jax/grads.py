@@ -58,9 +58,10 @@ def trainable(path: tuple, variable) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LayerGrads:
-    """y_TD [T, D]: the forward's output (module dtype); dx_TD [T, D] in x's dtype; weights: {param path: gradient} with each
-    parameter's shape, dtype and sharding; frozen: the parameters without
-    a gradient (selection-only bias, packed MXFP4 codes and scales)."""
+    """y_TD [T, D]: the forward's output (module dtype); dx_TD [T, D] in x's
+    dtype; weights: {param path: gradient} with each parameter's shape, dtype
+    and sharding; frozen: the parameters without a gradient (the
+    selection-only bias, packed MXFP4 codes and scales)."""
 
     y_TD: jax.Array
     dx_TD: jax.Array

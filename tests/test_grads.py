@@ -29,22 +29,21 @@ from collections import Counter
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_collectives import MOE_EXPECTED
 
 from k3jax import TINY, MlpMode, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.grads import checkpoint_tensors, grad_program, layer_grads, param_path, split_trainable
 from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, ExpertStorage, KimiMoE, expert_weights
 from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
-from layout_cases import _INSTR, COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, module
+from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, module
 from numerics import rel_err
-from test_collectives import MOE_EXPECTED
 
 LAYERS = {"dense": 0, "moe": 1}
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -228,6 +227,7 @@ def test_weight_gradients_keep_their_weights_sharding(eight_devices, name, layer
 
 
 # -- collectives in the compiled gradient program ---------------------------------------
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")   # as layout_cases
 _GROUPS = re.compile(r"replica_groups=(?:mesh\[[^\]]*\]\s*(\{[^}]*\})|(\{\{[^=]*\}\}))")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _RESULT_TYPE = re.compile(r"=\s*\(?([a-z]+[0-9]*)\[")
@@ -356,8 +356,9 @@ def test_layer_grads_rejects_bad_shapes(eight_devices):
 
 
 # -- the Pallas kernels (interpret mode) ------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="the Pallas kernels have no VJP before branch 'vjp' "
-                   "(issue 16 item 1) is merged (jax: 'Differentiation rule for mpmd_map not "
+@pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                   reason="the Pallas kernels have no VJP before branch 'vjp' (issue 16 "
+                   "item 1) is merged (jax: 'Differentiation rule for mpmd_map not "
                    "implemented'); delete this mark when it is")
 def test_interpret_backend_gradients_match_xla():
     """--backend interpret (the Mosaic GPU kernels in interpret mode) on 2

@@ -170,6 +170,7 @@ def test_04_training_and_load_balancing(executed):
         assert run["loss_first"] / run["loss_final"] > 5          # measured 8.8x / 8.2x
         assert run["imbalance_first"] > 3                         # measured 3.9
     assert on["imbalance_final"] < 2 < 3 < off["imbalance_final"]   # measured 1.6 vs 4.0
+    assert off["idle_experts_final"] >= 8 and on["idle_experts_final"] == 0   # measured 10 vs 0
     assert on["bias_spread"] > off["bias_spread"]                 # only balancing moves the bias
     assert on["loss_final"] < 1.25 * off["loss_final"]
 
