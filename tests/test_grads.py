@@ -52,7 +52,7 @@ T_PLACED = 64      # divides every layout's row blocks: x placed as the layout p
 T_PAD = 3          # 8 row blocks: 5 of them pure padding; 12 (token, expert) pairs over 16 experts
 T_BF16 = 37        # not a multiple of 8 either, and 148 pairs: most experts see several tokens
 # padding rows (SP), padded expert intermediate (tp8), EP devices without tokens
-SUBSET = ["single", "tp8", "sp_ep_tp8_shard"]
+SUBSET = ["tp8", "sp_ep_tp8_shard"]
 AG, RS, AR = "all-gather", "reduce-scatter", "all-reduce"
 MIRROR = {AG: RS, RS: AG, AR: AR, "all-to-all": "all-to-all",
           "collective-permute": "collective-permute"}
@@ -186,7 +186,7 @@ def test_gradients_with_padding_rows_and_idle_experts(eight_devices, name, layer
 
 
 @pytest.mark.parametrize("layer", list(LAYERS))
-@pytest.mark.parametrize("name", ["single", "sp_ep_tp8_shard"])
+@pytest.mark.parametrize("name", ["sp_ep_tp8_shard"])
 def test_bfloat16_gradients_match_torch(eight_devices, name, layer):
     """bf16 weights, input and cotangent (torch gets the same rounded values),
     T = 37. A gradient passes about six bf16 roundings (gate, up, the hidden
@@ -336,19 +336,18 @@ def mxfp4_case(name: str):
     return mod, x, dy, layer_grads(mod, x, dy)
 
 
-@pytest.mark.parametrize("name", ["single", "sp_ep_tp8_shard"])
-def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices, name):
+def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices):
+    name = "sp_ep_tp8_shard"
     mod, x, dy, g = mxfp4_case(name)
     assert set(g.frozen) == {"router_bias_E", *MXFP4_EXPERT_PARAMS}
     assert not set(g.weights) & set(MXFP4_EXPERT_PARAMS)
     assert set(g.weights) == {"router_DE", "lat_down_DL", "lat_norm_L", "lat_up_LD",
                               "shared.gate_DF", "shared.up_DF", "shared.down_FD"}
     # torch f64 with the decoded experts (exact in float32), every weight trainable there
-    single = mxfp4_case("single")[0]
-    tensors = checkpoint_tensors(single, 1, {k: f64(v) for k, v in flat_grads(
-        nnx.state(single, nnx.Param)).items() if k not in MXFP4_EXPERT_PARAMS})
+    tensors = checkpoint_tensors(mod, 1, {k: f64(v) for k, v in flat_grads(
+        nnx.state(mod, nnx.Param)).items() if k not in MXFP4_EXPERT_PARAMS})
     prefix = layer_prefix(1, True)
-    for w, a in zip(("w1", "w3", "w2"), expert_weights(single.weights(), ExpertStorage.MXFP4,
+    for w, a in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4,
                                                       jnp.float32)):
         for e in range(TINY.num_experts):
             tensors[f"{prefix}experts.{e}.{w}.weight"] = f64(a[e]).T
