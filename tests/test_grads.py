@@ -48,6 +48,7 @@ from numerics import rel_err
 
 LAYERS = {"dense": 0, "moe": 1}
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
+TOL_KERNEL = 5e-5   # the bf16x3 Pallas kernels in float32 (tests/test_backend_interpret.py)
 T_PLACED = 64      # divides every layout's row blocks: x placed as the layout places rows
 T_PAD = 3          # 8 row blocks: 5 of them pure padding; 12 (token, expert) pairs over 16 experts
 T_BF16 = 37        # not a multiple of 8 either, and 148 pairs: most experts see several tokens
@@ -372,20 +373,25 @@ def test_layer_grads_rejects_bad_shapes(eight_devices):
                    reason="the Pallas kernels have no VJP before branch 'vjp' (issue 16 "
                    "item 1) is merged (jax: 'Differentiation rule for mpmd_map not "
                    "implemented'); delete this mark when it is")
-def test_interpret_backend_gradients_match_xla():
-    """--backend interpret (the Mosaic GPU kernels in interpret mode) on 2
-    devices (SP + EP, sharded shared expert), dense and MoE layer: the same
-    gradients as the XLA path. Two devices: interpret mode under shard_map on
-    8 simulated devices can deadlock XLA:CPU's thread pool on 2 cores."""
-    par = ParallelConfig(tp=2, sequence_parallel=True, expert_parallel=True, shard_shared_expert=True)
-    mesh = make_mesh(par, jax.devices()[:2])
-    layout = make_layout(TINY, par)
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(
+    tp=2, sequence_parallel=True, expert_parallel=True, shard_shared_expert=True)],
+    ids=["single", "sp_ep_tp2_shard"])
+def test_interpret_backend_gradients_match_xla(parallel):
+    """--backend interpret (the Mosaic GPU kernels in interpret mode), dense
+    and MoE layer: the XLA path's gradients (themselves checked against torch
+    above) within the bf16x3 kernels' float32 tolerance, TOL_KERNEL of
+    tests/test_backend_interpret.py. At most 2 devices: interpret mode under
+    shard_map on 8 simulated devices can deadlock XLA:CPU's thread pool on 2
+    cores. (Measured with branch vjp's first commit merged: single device
+    max 1.5e-5; sp_ep_tp2_shard about 1.0, a wrong backward under shard_map.)"""
+    mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+    layout = make_layout(TINY, parallel)
     x, dy = fresh(T_PAD, jnp.float32)
     for layer in LAYERS.values():
         got, want = (layer_grads(build_layer(layout, layer, mesh, source=RandomSource(SEED),
                                              backend=backend), x, dy)
                      for backend in ("interpret", "xla"))
-        assert rel_err(got.dx_TD, want.dx_TD) < FP32_TOL
+        assert rel_err(got.dx_TD, want.dx_TD) < TOL_KERNEL
         assert set(got.weights) == set(want.weights)
         for k, w in want.weights.items():
-            assert rel_err(got.weights[k], w) < FP32_TOL, k
+            assert rel_err(got.weights[k], w) < TOL_KERNEL, k
