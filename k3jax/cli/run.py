@@ -285,10 +285,10 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
 
 def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
                spec: distributed.ProcessSpec | None, prefix: str) -> dict[str, np.ndarray] | None:
-    """{"input": dx, checkpoint name: gradient} as float32 on the host, the
-    names as the checkpoint spells them (``prefix``: its language_model., if any; on
-    process 0 of a multi-process run, None on the others: every process
-    takes part in the gathers)."""
+    """{"input": dx, checkpoint name: gradient} as float32 on the host, each
+    name as the checkpoint spells it (``prefix``: its "language_model." or "").
+    In a multi-process run every process takes part in the gathers; process 0
+    gets the dict, the others None."""
     import jax
     import jax.numpy as jnp
 
