@@ -1,7 +1,8 @@
 """``k3jax run --cotangent DY.npy --grads OUT.safetensors`` (issue 16): the
 gradients a run writes, against float64 torch autograd through the reference
 layer loaded from the same checkpoint; frozen tensors left out; usage errors.
-(The two-process run is in tests/test_multiprocess.py.)"""
+(The two-process run is in tests/test_multiprocess.py.) Measured: 60 s wall
+on the shared 2-core machine."""
 
 from __future__ import annotations
 
