@@ -104,6 +104,7 @@ def problem(tmp_path_factory):
     make_synthetic_checkpoint(ckpt, TINY, seed=11, dtype="float32")
     x = np.random.default_rng(5).standard_normal((13, TINY.hidden_size)).astype(np.float32)
     np.save(root / "x.npy", x)
+    np.save(root / "dy.npy", np.random.default_rng(6).standard_normal(x.shape).astype(np.float32))
     return root, ckpt, x
 
 
@@ -120,12 +121,15 @@ def layer_tensors_f64(ckpt, layer: int) -> dict[str, np.ndarray]:
 def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path, procs):
     root, ckpt, x = problem
     port = free_port()
-    common = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), *LAYOUT]
+    common = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), *LAYOUT,
+              "--cotangent", str(root / "dy.npy")]
     y1, y2 = tmp_path / "y_1x8.npy", tmp_path / "y_2x4.npy"
-    procs.append(start([*common, "--output", str(y1)], tmp_path, "single"))
+    g1, g2 = tmp_path / "g_1x8.safetensors", tmp_path / "g_2x4.safetensors"
+    procs.append(start([*common, "--output", str(y1), "--grads", str(g1)], tmp_path, "single"))
     # process 0 from flags, process 1 from the JAX_* environment variables
-    procs.append(start([*common, "--output", str(y2), *dist_flags(port, 0)], tmp_path, "p0"))
-    procs.append(start([*common, "--output", str(y2)], tmp_path, "p1",
+    procs.append(start([*common, "--output", str(y2), "--grads", str(g2), *dist_flags(port, 0)],
+                       tmp_path, "p0"))
+    procs.append(start([*common, "--output", str(y2), "--grads", str(g2)], tmp_path, "p1",
                        env=base_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")))
     results = {p.name: finish(p, RUN_TIMEOUT_S) for p in procs}
@@ -143,6 +147,17 @@ def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path
     assert rel_err(got_2x4, got_1x8) < 1e-5
     want = np_moe(x, layer_tensors_f64(ckpt, 1), TINY)
     assert rel_err(got_2x4, want) < 1e-4
+    # gradients (issue 16): process 0 gathers and writes them; they equal the one-process run's
+    assert f"wrote {g2}" in out0 and str(g2) not in out1
+    grads_1x8, grads_2x4 = load_file(g1), load_file(g2)
+    assert set(grads_2x4) == set(grads_1x8) and "input" in grads_2x4
+    assert len(grads_2x4) == 1 + 7 + 3 * TINY.num_experts       # input, 7 weights, 3 per expert
+    for name, g in grads_1x8.items():
+        assert grads_2x4[name].dtype == np.float32 and grads_2x4[name].shape == g.shape, name
+        if np.any(g):
+            assert rel_err(grads_2x4[name], g) < 1e-5, name
+        else:
+            assert not np.any(grads_2x4[name]), name
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["kill-process-1", "kill-coordinator"])

@@ -32,6 +32,7 @@ NOTEBOOKS = {
     "01_shared_expert_sequence_parallel.ipynb",
     "02_moe_padding_and_ep.ipynb",
     "03_torch_crosscheck.ipynb",
+    "04_training_and_load_balancing.ipynb",
 }
 CELL_TIMEOUT_S = 300
 # Relative-error bar (max |err| / max |ref|) for the notebooks' float64-referenced rows.
@@ -63,7 +64,7 @@ def summary(nb: nbformat.NotebookNode) -> dict:
 
 
 # -- stored form ---------------------------------------------------------------
-def test_the_three_notebooks_exist():
+def test_the_notebooks_exist():
     assert {p.name for p in NOTEBOOK_DIR.glob("*.ipynb")} == NOTEBOOKS
 
 
@@ -165,6 +166,20 @@ def test_03_torch_crosscheck(executed):
             assert r["rel_err"] > 1e-5, r           # the bf16 run really rounds to bf16
     for layout in layouts:      # every layout, in every dtype, for the MoE layer
         assert {r["dtype"] for r in rows if r["layout"] == layout and r["layer"] == 1} == set(tolerance)
+
+
+def test_04_training_and_load_balancing(executed):
+    s = summary(executed("04_training_and_load_balancing.ipynb"))
+    assert s["steps"] >= 200 and "sequence-parallel" in s["layout"] and "expert-parallel" in s["layout"]
+    off, on = s["runs"]["without balancing"], s["runs"]["with balancing"]
+    for run in (off, on):
+        assert all(math.isfinite(v) for v in run.values()), run
+        assert run["loss_first"] / run["loss_final"] > 5          # measured 8.8x / 8.2x
+        assert run["imbalance_first"] > 3                         # measured 3.9
+    assert on["imbalance_final"] < 2 < 3 < off["imbalance_final"]   # measured 1.6 vs 4.0
+    assert off["idle_experts_final"] >= 8 and on["idle_experts_final"] == 0   # measured 10 vs 0
+    assert on["bias_spread"] > off["bias_spread"]                 # only balancing moves the bias
+    assert on["loss_final"] < 1.25 * off["loss_final"]
 
 
 # -- as a script: execute and keep the outputs -----------------------------------

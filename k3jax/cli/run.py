@@ -45,6 +45,16 @@ def add_parser(sub) -> None:
                    help="layer index (default 1, the first MoE layer)")
     p.add_argument("--input", metavar="X.npy", help="float32 [T, hidden] (default: random, T=7)")
     p.add_argument("--output", metavar="Y.npy", help="where to write float32 [T, hidden]")
+    p.add_argument("--cotangent", metavar="DY.npy",
+                   help="float32 [T, hidden], the input's shape: the cotangent of the output for "
+                        "--grads (needs --grads)")
+    p.add_argument("--grads", metavar="OUT.safetensors",
+                   help="write the gradients for --cotangent (the layer's VJP, in its layout): the "
+                        "input's as 'input' and each trainable weight's under its checkpoint "
+                        "tensor name, all float32. Not written (frozen): the router's "
+                        "e_score_correction_bias (used for selection only: zero gradient) and "
+                        "MXFP4 routed experts kept packed (--mxfp4 packed); with --mxfp4 "
+                        "dequantize they get gradients like dense experts")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="parameter and activation dtype")
     p.add_argument("--repeat", type=positive_int, metavar="R",
@@ -108,6 +118,8 @@ def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None)
     parallel_from_args(args, args.devices)
     if spec is None or spec.is_leader:   # only process 0 writes the output
         check_output(args.output, "--output")
+        check_output(args.grads, "--grads")
+    _check_grad_flags(args)
     if spec is None:
         return num_devices
     if num_devices % spec.num_processes:
@@ -116,8 +128,37 @@ def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None)
     return num_devices // spec.num_processes
 
 
+def _check_grad_flags(args: argparse.Namespace) -> None:
+    if (args.grads is None) != (args.cotangent is None):
+        given, missing = (("--grads", "--cotangent DY.npy") if args.cotangent is None
+                          else ("--cotangent", "--grads OUT.safetensors"))
+        raise UsageError(f"{given} needs {missing}")
+    if args.grads is not None and args.output is not None and \
+            os.path.abspath(args.grads) == os.path.abspath(args.output):
+        raise UsageError(f"--grads and --output name the same file: {args.grads}")
+
+
+def _load_cotangent(path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The --cotangent array (float32, finite, the input's shape); problems are usage errors."""
+    if path is None:
+        return None
+    try:
+        dy = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--cotangent {path}: cannot read it: {e}") from None
+    if dy.shape != shape:
+        raise UsageError(f"--cotangent {path} must have the input's shape {list(shape)}, "
+                         f"got {list(dy.shape)}")
+    if dy.dtype != np.float32:
+        raise UsageError(f"--cotangent {path} must be float32, got {dy.dtype}")
+    if not np.all(np.isfinite(dy)):
+        raise UsageError(f"--cotangent {path} contains NaN or inf")
+    return dy
+
+
 def _open(args: argparse.Namespace, path: str):
-    """(reader, config, layer, input) of the run; a UsageError for --layer out of range."""
+    """(reader, config, layer, input, cotangent or None) of the run; a
+    UsageError for --layer out of range or a bad --cotangent."""
     from k3jax.checkpoint import CheckpointReader
 
     reader = CheckpointReader(path)
@@ -127,7 +168,8 @@ def _open(args: argparse.Namespace, path: str):
         what = args.checkpoint or "the tiny synthetic checkpoint"
         raise UsageError(f"--layer {layer} is out of range: {what} has {cfg.num_hidden_layers} "
                          f"layers (0..{cfg.num_hidden_layers - 1})")
-    return reader, cfg, layer, _load_input(args.input, cfg.hidden_size)
+    x = _load_input(args.input, cfg.hidden_size)
+    return reader, cfg, layer, x, _load_cotangent(args.cotangent, x.shape)
 
 
 def _load_input(path: str | None, hidden: int) -> np.ndarray:
@@ -177,9 +219,9 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
         else:
             path = args.checkpoint
         if spec is None:
-            reader, cfg, layer, x = _open(args, path)
+            reader, cfg, layer, x, dy = _open(args, path)
         else:
-            reader, cfg, layer, x = _agree(args, spec, parallel, path)
+            reader, cfg, layer, x, dy = _agree(args, spec, parallel, path)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         try:
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
@@ -203,6 +245,8 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
             t0 = time.perf_counter()
             y = jax.block_until_ready(forward(state, x_dev))
             times.append(time.perf_counter() - t0)
+        grads = None if dy is None else _gradients(module, layer, x_dev, dy, mesh, spec,
+                                                         reader.prefix)
 
     if spec is None:
         y_host = np.asarray(jax.device_get(y), dtype=np.float32)
@@ -235,7 +279,48 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
     if args.output:
         atomic_save_npy(args.output, y_host)
         print(f"wrote {args.output}")
+    if grads is not None:
+        _save_gradients(args.grads, grads)
     return 0
+
+
+def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
+               spec: distributed.ProcessSpec | None, prefix: str) -> dict[str, np.ndarray] | None:
+    """{"input": dx, checkpoint name: gradient} as float32 on the host, each
+    name as the checkpoint spells it (``prefix``: its "language_model." or "").
+    In a multi-process run every process takes part in the gathers; process 0
+    gets the dict, the others None."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.grads import checkpoint_tensors, layer_grads
+
+    dy_dev = jnp.asarray(dy) if spec is None else distributed.replicated(dy, mesh)
+    g = layer_grads(module, x_dev, dy_dev)
+
+    def host(a) -> np.ndarray:
+        a = a.astype(jnp.float32)
+        return np.asarray(jax.device_get(a)) if spec is None else distributed.gather(a)
+
+    dx = host(g.dx_TD)
+    weights = {path: host(v) for path, v in sorted(g.weights.items())}
+    if spec is not None and not spec.is_leader:
+        return None
+    named = checkpoint_tensors(module, layer, weights)
+    out = {"input": dx, **{prefix + name: a for name, a in named.items()}}
+    bad = [name for name, a in out.items() if not np.all(np.isfinite(a))]
+    if bad:
+        raise RuntimeError(f"the gradient of {bad[0]} holds NaN or inf; no gradients written")
+    return out
+
+
+def _save_gradients(path: str, grads: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save
+
+    from k3jax.files import atomic_write
+
+    atomic_write(path, lambda f: f.write(save(grads)))
+    print(f"wrote {path}: {len(grads)} float32 gradients ('input' and {len(grads) - 1} weights)")
 
 
 def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, path: str):
@@ -250,7 +335,7 @@ def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, pa
           f"{jax.device_count()} {jax.default_backend()} devices here", flush=True)
     items, error, opened = None, None, None
     try:
-        opened = reader, cfg, layer, x = _open(args, path)
+        opened = reader, cfg, layer, x, _ = _open(args, path)
         config_json = json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()
         items = {"jax version": jax.__version__, "devices": str(parallel.num_devices),
                  "layout": parallel.describe(), "layer": str(layer), "dtype": args.dtype,
@@ -258,7 +343,8 @@ def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, pa
                  "repeat": str(args.repeat),
                  "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
                  "checkpoint files": reader.fingerprint(),
-                 "input": distributed.fingerprint_array(x)}
+                 "input": distributed.fingerprint_array(x),
+                 "cotangent": "-" if opened[4] is None else distributed.fingerprint_array(opened[4])}
     except (UsageError, ValueError, OSError) as e:
         error = str(e)
     distributed.check_agreement(spec, items, error)

@@ -13,7 +13,9 @@ arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
 of w1/w3/w2 a uint8 code array packed along its input axis and a UE8M0 scale
 array, e.g. w1_packed_ELF [E, L/2, F] and w1_scale_ELF [E, L/32, F]; 0.53125 B
 per parameter in device memory; the grouped matmuls take them packed as
-``Mxfp4Weights`` and dequantize one active expert at a time).
+``Mxfp4Weights`` and dequantize one active expert at a time). Packed
+experts are frozen: gradients (k3jax.grads) flow through their dequantized
+values to the input and the other weights, never to the uint8 codes/scales.
 
 Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch``:
     moe_rows_local   Dispatch.OWN_ROWS: each device routes its own rows; rows
