@@ -5,6 +5,8 @@ Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
 "auto" -> "pallas" on sm_90 else "xla" (see pallas_kernels.backend).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
+Both entry points are differentiable in x and the weights on every backend:
+vjp.py wraps the dispatch below in a jax.custom_vjp.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import mosaic_sm90, reference
+from pallas_kernels.grouped_matmul import mosaic_sm90, reference, vjp
 from pallas_kernels.situ import check_betas
 
 
@@ -51,10 +53,16 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, 
 
     x_MK [M, K], w_GKN [G, K, N], group_sizes_G int [G] (traced ok, sum <= M).
     Returns [M, N] in x's dtype, accumulated in f32; rows >= sum(group_sizes) are 0.
+    Differentiable in x_MK and w_GKN (vjp.grouped_matmul).
     """
     validate_grouped(x_MK, w_GKN, group_sizes_G)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
+    return vjp.grouped_matmul(_FORWARDS, impl, x_MK, w_GKN, group_sizes_G)
+
+
+def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
+    """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if impl == "xla":
         return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
@@ -67,7 +75,8 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array
     """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) per row's group, fused on "pallas".
 
     x_MK [M, K], w_gate_GKN / w_up_GKN [G, K, N], group_sizes_G int [G].
-    Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0.
+    Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0. Differentiable in
+    x_MK and both weights (vjp.grouped_situ_glu: recomputes gate/up in the backward).
     """
     validate_grouped(x_MK, w_gate_GKN, group_sizes_G, w_name="w_gate_GKN")
     validate_grouped(x_MK, w_up_GKN, group_sizes_G, w_name="w_up_GKN")
@@ -77,9 +86,19 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
+    return vjp.grouped_situ_glu(_FORWARDS, impl, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                beta, linear_beta)
+
+
+def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta,
+                              impl):
+    """The forward dispatch of grouped_situ_glu (validated inputs, resolved backend)."""
     if impl == "xla":
         return reference.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                           beta=beta, linear_beta=linear_beta)
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
+
+
+_FORWARDS = vjp.GroupedForwards(plain=_grouped_matmul_forward, fused=_grouped_situ_glu_forward)
