@@ -28,8 +28,9 @@ grouped_situ_glu, h = situ_glu(x @ w_gate[g], x @ w_up[g]) (fused forward):
   The cotangent of rows >= sum(sizes) (constant zero outputs) is dropped by a
   select, so NaN there never reaches a gradient.
 
-Inside shard_map each cotangent gets its primal's varying axes
-(pallas_kernels.cotangent.like_primal).
+Inside shard_map each output is typed varying like its inputs and each
+cotangent gets its primal's varying axes
+(pallas_kernels.vma.like_primal).
 
 tgmm: mosaic_sm90_tgmm.tgmm on "pallas" / "interpret"; reference.tgmm
 (ragged_dot_general) on "xla" and on any backend without a tgmm kernel.
@@ -44,7 +45,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cotangent import like_primal
+from pallas_kernels.vma import like_primal, varying_like_inputs
 from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm, reference
 from pallas_kernels.situ import situ_glu_vjp_f32
 
@@ -78,11 +79,13 @@ def _transposed_GNK(w_GKN: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def grouped_matmul(forwards: GroupedForwards, impl: str, x_MK, w_GKN, group_sizes_G):
     """forwards.plain(x_MK, w_GKN, group_sizes_G, impl) with the VJP above."""
-    return forwards.plain(x_MK, w_GKN, group_sizes_G, impl)
+    y_MN = forwards.plain(x_MK, w_GKN, group_sizes_G, impl)
+    return varying_like_inputs(y_MN, x_MK, w_GKN, group_sizes_G)
 
 
 def _grouped_matmul_fwd(forwards, impl, x_MK, w_GKN, group_sizes_G):
-    return forwards.plain(x_MK, w_GKN, group_sizes_G, impl), (x_MK, w_GKN, group_sizes_G)
+    y_MN = grouped_matmul(forwards, impl, x_MK, w_GKN, group_sizes_G)
+    return y_MN, (x_MK, w_GKN, group_sizes_G)
 
 
 def _grouped_matmul_bwd(forwards, impl, residuals, dy_MN):
@@ -102,12 +105,14 @@ grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 def grouped_situ_glu(forwards: GroupedForwards, impl: str, x_MK, w_gate_GKN, w_up_GKN,
                      group_sizes_G, beta: float, linear_beta: float | None):
     """forwards.fused(...) with the recompute VJP above."""
-    return forwards.fused(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, impl)
+    h_MN = forwards.fused(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, impl)
+    return varying_like_inputs(h_MN, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G)
 
 
 def _grouped_situ_glu_fwd(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
                           linear_beta):
-    h_MN = forwards.fused(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, impl)
+    h_MN = grouped_situ_glu(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
+                            linear_beta)
     return h_MN, (x_MK, w_gate_GKN, w_up_GKN, group_sizes_G)
 
 

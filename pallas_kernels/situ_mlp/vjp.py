@@ -13,8 +13,9 @@ On "xla" these are jnp.dot (f32 accumulate); on every other backend they run
 through the grouped entry points with G = 1: the backend's grouped kernel for
 the products (the [2F, D] weight transpose is an XLA copy) and its tgmm
 kernel for the weight gradients (pallas_kernels.grouped_matmul.vjp.tgmm).
-Inside shard_map each cotangent gets its primal's varying axes
-(pallas_kernels.cotangent.like_primal).
+Inside shard_map each output is typed varying like its inputs and each
+cotangent gets its primal's varying axes
+(pallas_kernels.vma.like_primal).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cotangent import like_primal
+from pallas_kernels.vma import like_primal, varying_like_inputs
 from pallas_kernels.grouped_matmul import vjp as grouped_vjp
 from pallas_kernels.grouped_matmul.api import grouped_matmul
 from pallas_kernels.situ import situ_glu_vjp_f32
@@ -54,11 +55,13 @@ def _matmul_tn(x_TK: jax.Array, dy_TN: jax.Array, impl: str, out_dtype) -> jax.A
 def situ_mlp_up(forward: Callable[..., jax.Array], impl: str, x_TD, gate_DF, up_DF,
                 beta: float, linear_beta: float | None):
     """forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl) with the VJP above."""
-    return forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl)
+    h_TF = forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl)
+    return varying_like_inputs(h_TF, x_TD, gate_DF, up_DF)
 
 
 def _situ_mlp_up_fwd(forward, impl, x_TD, gate_DF, up_DF, beta, linear_beta):
-    return forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl), (x_TD, gate_DF, up_DF)
+    h_TF = situ_mlp_up(forward, impl, x_TD, gate_DF, up_DF, beta, linear_beta)
+    return h_TF, (x_TD, gate_DF, up_DF)
 
 
 def _situ_mlp_up_bwd(forward, impl, beta, linear_beta, residuals, dh_TF):
