@@ -26,10 +26,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.vma import like_primal, varying_like_inputs
 from pallas_kernels.grouped_matmul import vjp as grouped_vjp
 from pallas_kernels.grouped_matmul.api import grouped_matmul
 from pallas_kernels.situ import situ_glu_vjp_f32
+from pallas_kernels.vma import like_primal, varying_like_inputs
 
 
 def _all_rows_1(num_rows: int) -> jax.Array:
