@@ -43,3 +43,25 @@ def check_betas(beta: float, linear_beta: float | None) -> None:
         raise ValueError(f"situ_glu: beta must be > 0, got {beta!r}")
     if linear_beta is not None and not linear_beta > 0:
         raise ValueError(f"situ_glu: linear_beta must be > 0 or None, got {linear_beta!r}")
+
+
+def situ_glu_vjp_f32(gate_f32: jax.Array, up_f32: jax.Array, dout_f32: jax.Array, *,
+                     beta: float, linear_beta: float | None) -> tuple[jax.Array, jax.Array]:
+    """(d_gate, d_up) float32: the cotangents of situ_glu_f32's two inputs for
+    the output cotangent dout_f32 (all three the same shape).
+
+    With s = sigmoid(gate), t = tanh(gate / beta):
+      gate' = beta * t * s,  d gate'/d gate = (1 - t^2) * s + beta * t * s * (1 - s)
+      up'   = lb * tanh(up / lb),  d up'/d up = 1 - tanh(up / lb)^2   (up' = up: 1)
+      d_gate = dout * up' * d gate'/d gate,  d_up = dout * gate' * d up'/d up
+    """
+    sigmoid = 1.0 / (1.0 + jnp.exp(-gate_f32))
+    tanh_gate = jnp.tanh(gate_f32 * (1.0 / beta))
+    gate_act = beta * tanh_gate * sigmoid
+    dgate_act = (1.0 - tanh_gate * tanh_gate) * sigmoid + gate_act * (1.0 - sigmoid)
+    if linear_beta is None:
+        up_act, dup_act = up_f32, jnp.ones_like(up_f32)
+    else:
+        tanh_up = jnp.tanh(up_f32 * (1.0 / linear_beta))
+        up_act, dup_act = linear_beta * tanh_up, 1.0 - tanh_up * tanh_up
+    return dout_f32 * up_act * dgate_act, dout_f32 * gate_act * dup_act

@@ -10,6 +10,7 @@ from k3jax.ops.activation import SiTU
 from pallas_kernels.backend import Backend
 from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
 from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.vma import varying_like_inputs
 
 ExpertWeight = jax.Array | Mxfp4Weights
 
@@ -35,7 +36,10 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     local_P = ids_TK.reshape(T * K) - first_expert
     held_P = (local_P >= 0) & (local_P < num_local)
     local_P = jnp.where(held_P, local_P, num_local)          # not held -> sorts last
-    order_P = jnp.argsort(local_P, stable=True)
+    # jax 0.11.2 types argsort's result as invariant under shard_map even when
+    # local_P varies (EP: first_expert from axis_index); autodiff then psums
+    # cotangents it must not. Restore the varying type (pallas_kernels.vma).
+    order_P = varying_like_inputs(jnp.argsort(local_P, stable=True), local_P)
     token_P = order_P // K
     group_sizes_E = jnp.zeros(num_local + 1, jnp.int32).at[local_P].add(1)[:num_local]
 

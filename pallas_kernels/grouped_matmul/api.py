@@ -9,9 +9,15 @@ The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
 Weights may be MXFP4 (``pallas_kernels.mxfp4.Mxfp4Weights``: codes packed
-along K + UE8M0 scales); they run the blocked path on every backend, which
-dequantizes one active group at a time inside its loop (no Mosaic kernel
-takes packed weights yet).
+along K + UE8M0 scales); they run Triton's in-kernel dequantization on
+"triton" and the blocked path on every other backend, which dequantizes one
+active group at a time inside its loop (no Mosaic kernel takes packed
+weights yet).
+
+Differentiable in x and the (float) weights on every backend: "xla" and
+MXFP4 weights through jax's autodiff of the blocked scan (whose transpose is
+a scan too, so the backward fits in memory like the forward; packed weights
+get no gradient), the kernels through vjp.py's jax.custom_vjp.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, vjp
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.situ import check_betas
 
@@ -56,20 +62,36 @@ def validate_grouped(x_MK, w_GKN, group_sizes_G, *, w_name: str = "w_GKN") -> No
             f"group_sizes_G length {group_sizes_G.shape[0]} != {w_name} G={w_GKN.shape[0]}")
 
 
-    if impl == "xla":
-        return reference.grouped_matmul(x_MK, w_GKN, group_sizes_G)
-    if impl == "triton":
-        return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
+def triton_kernels():
+    """pallas_kernels.grouped_matmul.triton_sm80, imported on first use: it
+    needs the optional ``triton`` extra (jax-triton, triton)."""
+    try:
+        from pallas_kernels.grouped_matmul import triton_sm80
+    except ImportError as e:
+        raise RuntimeError(f"backend='triton' needs jax-triton and triton: pip install "
+                           f"'k3jax[triton]' ({e})") from None
+    return triton_sm80
+
+
+def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes_G: jax.Array, *,
                    backend: Backend = "auto") -> jax.Array:
     """y_MN = x_MK @ w_GKN[g] for rows of group g (rows sorted by group).
 
     x_MK [M, K], w_GKN [G, K, N] (or Mxfp4Weights of that logical shape),
     group_sizes_G int [G] (traced ok, sum <= M).
     Returns [M, N] in x's dtype, accumulated in f32; rows >= sum(group_sizes) are 0.
+    Differentiable in x_MK and w_GKN (vjp.grouped_matmul).
     """
     validate_grouped(x_MK, w_GKN, group_sizes_G)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
+    if impl == "xla" or isinstance(w_GKN, Mxfp4Weights):
+        return _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl)
+    return vjp.grouped_matmul(_FORWARDS, impl, x_MK, w_GKN, group_sizes_G)
+
+
+def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
+    """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if isinstance(w_GKN, Mxfp4Weights):
         if impl == "triton":   # in-kernel dequantization (W4A16)
             return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GKN, w_GKN.scale_GKN,
@@ -90,7 +112,8 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     """h_MN = situ_glu(x @ w_gate[g], x @ w_up[g]) per row's group, fused on "pallas".
 
     x_MK [M, K], w_gate_GKN / w_up_GKN [G, K, N] (or Mxfp4Weights), group_sizes_G int [G].
-    Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0.
+    Returns [M, N] in x's dtype; rows >= sum(group_sizes) are 0. Differentiable in
+    x_MK and both weights (vjp.grouped_situ_glu: recomputes gate/up in the backward).
     """
     validate_grouped(x_MK, w_gate_GKN, group_sizes_G, w_name="w_gate_GKN")
     validate_grouped(x_MK, w_up_GKN, group_sizes_G, w_name="w_up_GKN")
@@ -100,6 +123,17 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
+    packed = any(isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN))
+    if impl == "xla" or packed:
+        return _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
+                                         linear_beta, impl)
+    return vjp.grouped_situ_glu(_FORWARDS, impl, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                beta, linear_beta)
+
+
+def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta,
+                              impl):
+    """The forward dispatch of grouped_situ_glu (validated inputs, resolved backend)."""
     packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
     if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16)
         return triton_kernels().grouped_situ_glu_mxfp4(
@@ -114,3 +148,6 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
+
+
+_FORWARDS = vjp.GroupedForwards(plain=_grouped_matmul_forward, fused=_grouped_situ_glu_forward)

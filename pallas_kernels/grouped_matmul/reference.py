@@ -42,3 +42,21 @@ def grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, *, beta: float,
     h_MN = situ_glu(gate_MN, up_MN, beta=beta, linear_beta=linear_beta)
     h_MN = jnp.where(valid_rows_mask_M1(x_MK.shape[0], group_sizes_G), h_MN, 0.0)
     return h_MN.astype(x_MK.dtype)
+
+
+def tgmm(x_MK, dy_MN, group_sizes_G, *, out_dtype=None):
+    """dw_GKN[g] = x_MK[rows of g]^T @ dy_MN[rows of g] (f32 accumulate), the
+    weight gradient of grouped_matmul; [G, K, N] in out_dtype (default x's).
+
+    Rows >= sum(group_sizes) are zeroed first (a select: NaN there never
+    reaches a group); empty groups give zeros.
+    """
+    valid_M1 = valid_rows_mask_M1(x_MK.shape[0], group_sizes_G)
+    x_MK = jnp.where(valid_M1, x_MK, jnp.zeros((), x_MK.dtype))
+    dy_MN = jnp.where(valid_M1, dy_MN, jnp.zeros((), dy_MN.dtype))
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw_GKN = jax.lax.ragged_dot_general(x_MK, dy_MN, group_sizes_G.astype(jnp.int32), dims,
+                                        preferred_element_type=jnp.float32)
+    return dw_GKN.astype(out_dtype or x_MK.dtype)

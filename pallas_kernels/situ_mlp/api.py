@@ -3,6 +3,8 @@
 Dispatch: "xla" -> reference.py, "pallas" -> mosaic_sm90.py, "interpret" ->
 mosaic_sm90.py in GPU interpret mode, "triton" -> triton_sm80.py (CUDA sm_80+),
 "auto" -> "pallas" on sm_90, "triton" on other CUDA GPUs, else "xla".
+Differentiable in x and both weights on every backend: vjp.py wraps the
+dispatch below in a jax.custom_vjp.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.grouped_matmul.api import triton_kernels
 from pallas_kernels.situ import check_betas
-from pallas_kernels.situ_mlp import mosaic_sm90, reference
+from pallas_kernels.situ_mlp import mosaic_sm90, reference, vjp
 
 
 def validate_mlp(x_TD, gate_DF, up_DF) -> None:
@@ -33,10 +35,18 @@ def validate_mlp(x_TD, gate_DF, up_DF) -> None:
 
 def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: float,
                 linear_beta: float | None, backend: Backend = "auto") -> jax.Array:
-    """h_TF = situ_glu(x_TD @ gate_DF, x_TD @ up_DF); [T, D] x [D, F] -> [T, F], x dtype."""
+    """h_TF = situ_glu(x_TD @ gate_DF, x_TD @ up_DF); [T, D] x [D, F] -> [T, F], x dtype.
+
+    Differentiable in all three arrays (vjp.situ_mlp_up: recomputes gate/up).
+    """
     validate_mlp(x_TD, gate_DF, up_DF)
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
+    return vjp.situ_mlp_up(_situ_mlp_up_forward, impl, x_TD, gate_DF, up_DF, beta, linear_beta)
+
+
+def _situ_mlp_up_forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl):
+    """The forward dispatch of situ_mlp_up (validated inputs, resolved backend)."""
     if impl == "xla":
         return reference.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
     if impl == "triton":
