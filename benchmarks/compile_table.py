@@ -113,7 +113,7 @@ def layout_rows(tokens: int = LAYOUT_TOKENS, log=print) -> list[dict]:
     for name, parallel in LAYOUTS.items():
         for what, (layer, backend) in LAYOUT_PASSES.items():
             report = compile_layer(K3, parallel, layer, tokens=tokens, backend=backend)
-            rows.append({"layout": name, "pass": what, **report.to_dict()})
+            rows.append({**report.to_dict(), "layout": name, "pass": what})
             log(f"# {name} {what}: {report.compile_seconds:.1f} s")
     return rows
 

@@ -427,18 +427,33 @@ class Layout:
     # -- overlap contract -------------------------------------------------------
     @property
     def shared_overlaps_routed(self) -> bool:
-        """May the shared expert run concurrently with the routed experts?
+        """Does the compiled program run the shared expert's work under the
+        routed experts'? A claim checked against the H200 schedule
+        (tests/test_aot_layouts.py, 256 and 8192 tokens, compiled with
+        k3jax.xla_options.OVERLAP_COMPILER_OPTIONS).
 
         vLLM switches its shared/routed stream overlap off for a sharded shared
         expert because the expert issues collectives of its own, and two streams
         issuing collectives can deadlock. In one SPMD XLA program every device
         issues collectives in the same compiled order, so that hazard does not
-        exist: the shared expert is an independent branch that XLA may overlap,
-        in every layout but one. Under plain TP the shared expert's partial sum
-        is folded into the routed path's all-reduce (one all-reduce for both),
-        so it is fused rather than overlapped (TP and EP over plain TP alike).
+        exist, and XLA's latency-hiding scheduler decides what overlaps:
+        - replicated shared expert: no collective of its own; True;
+        - SP-sharded with SharedOverlap.RING: its collective-permutes stay
+          asynchronous with a matmul under each; True;
+        - SP-sharded with SharedOverlap.NONE, tensor axis spanning the mesh
+          (dp 1): its all-gather and reduce-scatter stay asynchronous with
+          routed GEMMs between start and done; True;
+        - SP-sharded with SharedOverlap.NONE and dp > 1: XLA schedules its
+          all-gather with no routed GEMM under it (dp 2 x tp 4 at 256 tokens,
+          and with EP at 8192 too); False: not kept, so not claimed;
+        - plain TP (and EP over plain TP): its partial sum rides in the routed
+          path's all-reduce (one all-reduce for both), fused rather than
+          overlapped; False.
         """
-        return self.shared_mlp.mode is not MlpMode.TP
+        mode = self.shared_mlp.mode
+        if mode is MlpMode.SP_SHARDED:
+            return self.shared_mlp.overlap is SharedOverlap.RING or self.parallel.dp == 1
+        return mode is not MlpMode.TP
 
     def describe(self) -> str:
         lines = [f"parallel: {self.parallel.describe()}",

@@ -8,8 +8,9 @@ wheel's (k3jax.aot.pin_wheel_ptxas).
 A configuration that spills today is named in KNOWN_SPILLS with the reason
 (BENCHMARKS.md, "Compiled for H200"). The test fails on a spill not in the
 table and on an entry that no longer spills, so the table cannot go stale.
-Each configuration compiles once per process (about 3 s idle on 2 cores,
-2-4 minutes for all; 10-20 s each on a loaded machine).
+Each configuration compiles once per process: about 3 s each on an idle
+2-core machine (4-5 minutes for the 83), 10-60 s each on the loaded shared
+machine (the 83 took 50 minutes there on 2026-12-01).
 """
 
 from __future__ import annotations
@@ -27,14 +28,23 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
-# Decode tiles (64-row, 255 registers) of the plain down kernel hold the
-# accumulator plus the pipeline's addressing at the register cap; ptxas spills
-# 64 B of stores and 64 B of loads. The MLP and f32 check cases spill a few
-# bytes for the same reason (255 registers).
-_DECODE_DOWN = "down kernel decode tile at the 255-register cap: ptxas spills 64 B + 64 B"
+# Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md).
+_DECODE_DOWN = ("k3jax grouped_matmul decode tile (64 rows, 255 registers, the cap): ptxas "
+                "spills 64 B of stores + 64 B of loads")
+_MLP_PREFILL = ("k3jax situ_mlp_up prefill tile (128 rows, 168 registers): a few bytes of "
+                "spill at this row count only")
+_PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
+         "registers, 84 B + 84 B of spill")
 KNOWN_SPILLS: dict[str, str] = {
-    "down ep=8 tokens=16": _DECODE_DOWN,
-    "down ep=16 tokens=16": _DECODE_DOWN,
+    **{f"down ep={ep} tokens={t}": _DECODE_DOWN for ep in (8, 16, 32) for t in (16, 64)},
+    "down ep=8 tokens=256": _DECODE_DOWN,
+    "down ep=16 tokens=256": _DECODE_DOWN,
+    **{f"down ep=8 tokens={t} (peer: jax Mosaic)": _PEER for t in (1024, 4096, 16384)},
+    "situ_mlp_up tp=1 tokens=512": _MLP_PREFILL,
+    "situ_mlp_up tp=4 tokens=2048": _MLP_PREFILL,
+    "check mlp m=512 k=512 n=256 g=1 bfloat16": _MLP_PREFILL + " (24 B + 24 B)",
+    "check matmul m=300 k=256 n=256 g=8 float32": "float32 (bf16x3) decode tile at 255 registers: 8 B",
+    "check situ_glu m=1024 k=512 n=512 g=4 float32": "float32 (bf16x3) fused prefill tile: 200 B",
 }
 
 CONFIGS = {c.name: c for c in compile_table.kernel_configs()}

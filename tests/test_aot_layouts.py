@@ -13,8 +13,11 @@ Checked here:
 - the overlap contract (Layout.shared_overlaps_routed) against the compiled
   H200 schedule: where it is true and the shared expert issues collectives,
   each of them stays asynchronous, uncombined with the routed path's, with
-  routed-expert GEMMs scheduled between start and done; where it is false,
-  no shared-expert collective overlaps routed work.
+  routed-expert GEMMs scheduled between start and done. Where it is false:
+  under plain TP the shared expert has no collective of its own; an
+  SP-sharded one with dp > 1 is not claimed (XLA overlaps its all-gather at
+  some token counts only; measured 2026-12-01: no routed GEMM under it at
+  256 tokens, nor with EP at 8192).
 
 Fit (``fits_h200``) is recorded, not asserted per layout: on 8 GPUs K3's MXFP4
 experts alone exceed an H200 (k3jax plan), and at 8192 tokens XLA expands
@@ -99,9 +102,11 @@ def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
                    if c.is_async and c.parts == 1 and not in_scope(c.op_name, ROUTED_SCOPE)
                    and c.matmuls_between_in(ROUTED_SCOPE) > 0]
     if not layout.shared_overlaps_routed:
-        # Plain TP: the shared partial rides in the routed all-reduce (outside both scopes).
-        assert layout.shared_mlp.mode is MlpMode.TP
-        assert overlapping == []
+        if layout.shared_mlp.mode is MlpMode.TP:
+            # The shared partial rides in the routed all-reduce (outside both scopes).
+            assert shared == []
+        else:   # SP-sharded with dp > 1: not claimed, since not kept at every token count
+            assert layout.parallel.dp > 1
         return
     if layout.shared_mlp.overlap is SharedOverlap.RING:
         # the ring (issue 14): 2 (tp - 1) block transfers over the tensor axis, each
