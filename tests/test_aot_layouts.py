@@ -20,8 +20,7 @@ Checked here:
   256 tokens, nor with EP at 8192).
 
 Fit (``fits_h200``) is recorded, not asserted per layout: on 8 GPUs K3's MXFP4
-experts alone exceed an H200 (k3jax plan), and at 8192 tokens XLA expands
-ragged_dot densely (about 114 GB of temporaries; issue 13). Each layer
+experts alone exceed an H200 (k3jax plan). Each layer
 compiles once per process (module-level cache).
 """
 

@@ -370,10 +370,6 @@ def test_layer_grads_rejects_bad_shapes(eight_devices):
 
 
 # -- the Pallas kernels (interpret mode) ------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                   reason="the Pallas kernels have no VJP before branch 'vjp' (issue 16 "
-                   "item 1) is merged (jax: 'Differentiation rule for mpmd_map not "
-                   "implemented'); delete this mark when it is")
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(
     tp=2, sequence_parallel=True, expert_parallel=True, shard_shared_expert=True)],
     ids=["single", "sp_ep_tp2_shard"])
@@ -383,8 +379,7 @@ def test_interpret_backend_gradients_match_xla(parallel):
     above) within the bf16x3 kernels' float32 tolerance, TOL_KERNEL of
     tests/test_backend_interpret.py. At most 2 devices: interpret mode under
     shard_map on 8 simulated devices can deadlock XLA:CPU's thread pool on 2
-    cores. (Measured with branch vjp's first commit merged: single device
-    max 1.5e-5; sp_ep_tp2_shard about 1.0, a wrong backward under shard_map.)"""
+    cores."""
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
     layout = make_layout(TINY, parallel)
     x, dy = fresh(T_PAD, jnp.float32)
