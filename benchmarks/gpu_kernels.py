@@ -23,6 +23,13 @@ short by a time limit still leaves what it measured.
   python benchmarks/gpu_kernels.py --keep-going --json out.json --markdown out.md  # H200
   python benchmarks/gpu_kernels.py --lower-only   # CPU: lower every kernel config for sm_90
   python benchmarks/gpu_kernels.py --smoke --json /tmp/smoke.json                  # CPU, seconds
+  python benchmarks/gpu_kernels.py --model-only --json model.json  # CPU: the static cost model
+
+--model-only writes, for every row of the sweep, what pallas_kernels/cost_model.py
+predicts from the kernel's own schedule on the sweep's routing (tiles, SM fill,
+weight reads per active expert, x bytes over weight bytes, rows computed per
+useful row, predicted time); a GPU run puts the same prediction ("model") in
+each row beside the measured figures.
 
 Exit status: 0 all rows measured and correct; 1 some row failed (with
 --keep-going) or some config failed to lower (--lower-only); 2 usage error;
@@ -36,6 +43,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -48,10 +56,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_report import Results, format_grouped_row, format_mlp_row
+from bench_report import Results, format_grouped_row, format_mlp_row, write_atomically
 from bench_timing import TIMERS, pick_timing, time_all
 
-from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
+from pallas_kernels import cost_model, grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -364,8 +372,8 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
             weights_by_ep[case.ep] = _expert_weights(plan, case)
         w = weights_by_ep[case.ep]
         ws = (w["gate"], w["up"]) if case.op == "gate_up_situ" else (w["down"],)
-        sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
-                                               seed=case.tokens + case.ep))
+        sizes_np = grouped_sizes(case)
+        sizes = jnp.asarray(sizes_np)
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
         active = int(jnp.sum(sizes > 0))
         peers = ({"jax_mosaic": jax_mosaic_ragged_dot(case)}
@@ -377,7 +385,8 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
             valid_rows=case.rows, peers=peers,
             fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws, sizes=sizes))
         sweep.results.add("grouped", {**case.fields(), "active_experts": active,
-                                      "small": case.tokens <= plan.small_tokens, **row})
+                                      "small": case.tokens <= plan.small_tokens, **row,
+                                      "model": model_grouped(case, sizes_np)})
         print(format_grouped_row(sweep.results.data["grouped"][-1]))
 
 
@@ -405,8 +414,63 @@ def run_mlp(plan: Plan, sweep: Sweep) -> None:
         row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
                             (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
                             weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens)
-        sweep.results.add("mlp", {**case.fields(), **row})
+        sweep.results.add("mlp", {**case.fields(), **row, "model": model_mlp(case)})
         print(format_mlp_row(sweep.results.data["mlp"][-1]))
+
+
+def grouped_sizes(case: GroupedCase) -> np.ndarray:
+    """The sweep's routing for ``case`` (the GPU run and the model use the same)."""
+    return routed_group_sizes(case.rows, case.local_experts, seed=case.tokens + case.ep)
+
+
+def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
+    """The cost model's prediction for one grouped row, with the targets' ratios."""
+    cost = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    active = int(np.count_nonzero(sizes))
+    useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
+    weight_bytes = 2.0 * active * case.k * case.n * case.num_weights
+    xla_s = cost_model.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
+                                              case.num_weights)
+    seconds = cost.predicted_us * 1e-6
+    return {**cost.fields(),
+            "pct_dense": 100 * useful_flops / seconds / cost_model.DENSE_BF16_FLOPS,
+            "pct_copy": 100 * weight_bytes / seconds / cost_model.COPY_BYTES_PER_S,
+            "xla_ragged_dot_dense_us": xla_s * 1e6, "speedup_vs_xla_dense": xla_s / seconds}
+
+
+def model_mlp(case: MlpCase) -> dict:
+    """The cost model's prediction for one MLP row, beside XLA's roofline."""
+    cost = cost_model.mlp_cost(case.tokens, case.d, case.f)
+    xla_s = cost_model.xla_mlp_roofline_s(case.tokens, case.d, case.f)
+    return {**cost.fields(), "xla_roofline_us": xla_s * 1e6,
+            "speedup_vs_xla_roofline": xla_s / (cost.predicted_us * 1e-6)}
+
+
+def model_all(plan: Plan) -> dict:
+    """Every row of the sweep, as the static cost model predicts it (no GPU)."""
+    grouped = [{"op": c.op, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
+                "local_experts": c.local_experts, "K": c.k, "N": c.n,
+                "active_experts": int(np.count_nonzero(grouped_sizes(c))),
+                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan)]
+    mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
+            **model_mlp(c)} for c in mlp_cases(plan)]
+    return {"meta": {"model": "pallas_kernels/cost_model.py", "num_sms": cost_model.H200_NUM_SMS,
+                     "dense_bf16_flops": cost_model.DENSE_BF16_FLOPS,
+                     "copy_bytes_per_s": cost_model.COPY_BYTES_PER_S,
+                     "tile_overhead_s": cost_model.TILE_OVERHEAD_S, "top_k": plan.top_k,
+                     "num_experts": plan.num_experts},
+            "grouped": grouped, "mlp": mlp}
+
+
+def print_model(model: dict) -> None:
+    print(f"{'op':<13}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
+          f"{'x/w':>7}{'rows':>6}{'pred us':>9}  vs XLA")
+    for r in model["grouped"] + model["mlp"]:
+        vs = r.get("speedup_vs_xla_dense", r.get("speedup_vs_xla_roofline"))
+        print(f"{r['op']:<13}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
+              f"{r['sm_fill']:>6.2f}{r['weight_reads_per_active_expert']:>7.3f}"
+              f"{r['x_bytes_over_weight_bytes']:>7.3f}{r['rows_computed_per_useful_row']:>6.2f}"
+              f"{r['predicted_us']:>9.1f}  {vs:.2f}x")
 
 
 def lower_all(plan: Plan) -> int:
@@ -451,6 +515,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--lower-only", action="store_true",
                       help="lower every kernel config of the sweep for sm_90 and stop "
                            "(no GPU needed; a pre-flight check before a GPU run)")
+    mode.add_argument("--model-only", action="store_true",
+                      help="print (and with --json write) the static cost model's prediction "
+                           "for every row of the sweep and stop (no GPU needed)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a BENCHMARKS.md snippet")
     p.add_argument("--iters", type=_positive_int, default=None,
@@ -486,6 +553,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return dataclasses.replace(plan, **{k: tuple(v) for k, v in overrides.items() if v})
 
 
+def _dump_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -498,6 +570,12 @@ def main(argv=None) -> int:
     plan = build_plan(args)
     if args.lower_only:
         return 1 if lower_all(plan) else 0
+    if args.model_only:
+        model = model_all(plan)
+        print_model(model)
+        if args.json:
+            write_atomically(args.json, lambda tmp: _dump_json(tmp, model))
+        return 0
     iters = args.iters or (1 if args.smoke else 10)
     kernel_backend = "interpret" if args.smoke else "pallas"
     if not args.smoke and jax.default_backend() != "gpu":

@@ -385,17 +385,36 @@ def _to_planes(a: jax.Array, compute_dtype, planes: int) -> list[jax.Array]:
     return list(split_bf16(a))
 
 
-def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
-    """Shared launcher: fit blocks to the shapes, pad if needed, build metadata, run."""
-    m, k = x_MK.shape
-    num_groups, _, n = w_GKNs[0].shape
-    out_dtype = x_MK.dtype
-    in_dtype = jnp.result_type(x_MK, *w_GKNs)
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """The static shape of one launch: the fitted tiles and padded sizes.
+
+    cfg: the TileConfig after fitting block_k / block_n to K / N and the SMEM
+    limit; planes: bf16 planes per input element (1 or 2, see num_planes).
+    """
+
+    cfg: TileConfig
+    planes: int
+    m_pad: int
+    k_pad: int
+    n_pad: int
+
+    @property
+    def num_k_steps(self) -> int:
+        return self.k_pad // self.cfg.block_k
+
+    @property
+    def num_n_blocks(self) -> int:
+        return self.n_pad // self.cfg.block_n
+
+
+def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dtype,
+                out_dtype, cfg: TileConfig | None = None) -> LaunchPlan:
+    """Fit the tiles of a [m, k] x num_weights x [G, k, n] launch (what the
+    launcher runs; benchmarks/.. cost model calls it too)."""
     planes = num_planes(in_dtype)
     out_bytes = jnp.dtype(out_dtype).itemsize
-    if m == 0 or n == 0:
-        return jnp.zeros((m, n), out_dtype)
-    cfg = cfg or default_config(m, num_groups, len(w_GKNs))
+    cfg = cfg or default_config(m, num_groups, num_weights)
     # block_k >= 16: the bf16 WGMMA K step. block_n: output tile rows of >= 128
     # bytes keep every row-offset TMA store from SMEM 128-byte aligned.
     block_k = (_fit_block(k, cfg.block_k, _MIN_BLOCK)
@@ -403,9 +422,23 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
     min_n = max(_MIN_BLOCK, 128 // out_bytes)
     block_n = _fit_block(n, cfg.block_n, min_n) or _padded_block(n, cfg.block_n, min_n)
     cfg = dataclasses.replace(cfg, block_k=block_k, block_n=block_n)
-    cfg = fit_smem(cfg, len(w_GKNs), 2 * planes, out_bytes, min_n)
-    block_n = cfg.block_n
-    k_pad, n_pad, m_pad = _round_up(k, block_k), _round_up(n, block_n), _round_up(m, cfg.block_m)
+    cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes, min_n)
+    return LaunchPlan(cfg=cfg, planes=planes, m_pad=_round_up(m, cfg.block_m),
+                      k_pad=_round_up(k, block_k), n_pad=_round_up(n, cfg.block_n))
+
+
+def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
+    """Shared launcher: fit blocks to the shapes, pad if needed, build metadata, run."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKNs[0].shape
+    out_dtype = x_MK.dtype
+    in_dtype = jnp.result_type(x_MK, *w_GKNs)
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    launch = plan_launch(m, k, n, num_groups, len(w_GKNs), in_dtype, out_dtype, cfg)
+    cfg, planes = launch.cfg, launch.planes
+    block_k, block_n = cfg.block_k, cfg.block_n
+    k_pad, n_pad, m_pad = launch.k_pad, launch.n_pad, launch.m_pad
 
     # x rows are padded so every M-block read is in bounds; K/N are padded only
     # when no allowed power-of-two block divides them (never for K3 shapes).
