@@ -5,8 +5,10 @@ One run measures, on one GPU:
     (TB/s, bytes read + bytes written);
   * grouped MoE matmuls at K3 shapes, for local-expert counts 896 / EP:
       - "gate_up_situ": fused x @ [w1 | w3] + SiTU-GLU, 3584 -> 2 x 3072
-        (kernel: grouped_situ_glu; baseline: two jax.lax.ragged_dot + situ_glu)
-      - "down": 3072 -> 3584 (kernel: grouped_matmul; baseline: ragged_dot)
+        (kernel: grouped_situ_glu; baseline: two jax.lax.ragged_dot + situ_glu;
+        peer: two tokamax.ragged_dot (Mosaic GPU) + situ_glu)
+      - "down": 3072 -> 3584 (kernel: grouped_matmul; baseline: ragged_dot;
+        peers: tokamax.ragged_dot, jax's ragged_dot_mgpu)
     with M = tokens x top_k rows spread over the local experts (random
     balanced routing), reporting % of the dense matmul rate and, for the
     small token counts where the kernels stream weights, the achieved
@@ -60,6 +62,7 @@ from bench_report import Results, format_grouped_row, format_mlp_row, write_atom
 from bench_timing import TIMERS, pick_timing, time_all
 
 from pallas_kernels import cost_model, grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
+from pallas_kernels import peers as peers_lib
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -267,11 +270,15 @@ CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weight_bytes: float,
                valid_rows: int, ceilings: dict, iters: int, timing: str,
-               fallback_check=None, peers: dict[str, Callable] | None = None) -> dict:
+               fallback_check=None, peers: dict[str, Callable] | None = None,
+               precompiled=None, compile_s: float | None = None) -> dict:
     """Check the kernel against XLA, then time kernel, XLA and peers; one row.
 
     fallback_check(out) -> rel err verifies the kernel when the XLA baseline
-    itself fails (its error is recorded in the row as "xla_error"). ``peers``
+    itself fails (its error is recorded in the row as "xla_error") or would
+    not fit the device ("xla_skipped": arguments + temporaries > its memory).
+    ``precompiled`` is the kernel compiled before any timing (precompile_all),
+    with its compile time ``compile_s``; the row records compile and run times. ``peers``
     (name -> fn, e.g. jax's own Mosaic ragged_dot) are checked the same way
     and timed beside; a failing peer is recorded as "<name>_error". The row
     names the custom calls in XLA's compiled program ("xla_custom_calls"), so
@@ -279,15 +286,27 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
     """
     row: dict = {"flops": flops, "weight_bytes": weight_bytes}
     timed: dict[str, Callable] = {}
+    t_row = time.perf_counter()
+    ref = None
     try:
+        t0 = time.perf_counter()
         xla = jax.jit(xla_fn).lower(*args).compile()
+        row["xla_compile_s"] = time.perf_counter() - t0
         row["xla_custom_calls"] = sorted(set(CUSTOM_CALL.findall(xla.as_text())))
-        ref = jax.block_until_ready(xla(*args))
-        timed["xla"] = xla
+        too_big = exceeds_device_memory(xla)
+        if too_big:  # e.g. XLA's dense ragged_dot: 202 GiB at 16384 tokens, EP 8
+            row["xla_skipped"] = too_big
+            print(f"# {name}: XLA baseline skipped: {too_big}")
+        else:
+            ref = jax.block_until_ready(xla(*args))
+            timed["xla"] = xla
     except Exception as e:  # noqa: BLE001 -- e.g. XLA expands ragged_dot densely: OOM
         ref, row["xla_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
     try:
-        kernel = jax.jit(kernel_fn).lower(*args).compile()
+        t0 = time.perf_counter()
+        kernel = precompiled if precompiled is not None else jax.jit(kernel_fn).lower(*args).compile()
+        row["kernel_compile_s"] = (compile_s if precompiled is not None
+                                   else time.perf_counter() - t0)
         out = jax.block_until_ready(kernel(*args))
     except Exception as e:
         raise KernelMismatch(f"{name}: kernel raised {type(e).__name__}: {str(e)[:2000]}") from e
@@ -295,9 +314,10 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
         row["max_rel_err"] = check_against_reference(name, out, ref, valid_rows)
     elif fallback_check is not None:
         row["max_rel_err"] = fallback_check(out)
-        row["checked"] = "spot check (XLA baseline failed)"
+        row["checked"] = "spot check (XLA baseline failed or skipped)"
     else:
-        raise KernelMismatch(f"{name}: no XLA reference to verify against ({row['xla_error']})")
+        why = row.get("xla_error") or row.get("xla_skipped")
+        raise KernelMismatch(f"{name}: no XLA reference to verify against ({why})")
     timed["kernel"] = kernel
     for peer, peer_fn in (peers or {}).items():
         try:
@@ -313,7 +333,22 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
         row[impl] = _rates(flops, weight_bytes, t, ceilings)
     if "xla" in row:
         row["speedup"] = row["xla"]["us"] / row["kernel"]["us"]
+    row["row_s"] = time.perf_counter() - t_row
     return row
+
+
+def exceeds_device_memory(compiled) -> str | None:
+    """Why a compiled program cannot run on this device (its arguments, outputs
+    and temporaries exceed the device's memory), or None."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    mem = compiled.memory_analysis()
+    if not limit or mem is None:
+        return None
+    need = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+    if need <= limit:
+        return None
+    return f"needs {need / 2**30:.1f} GiB (temporaries {mem.temp_size_in_bytes / 2**30:.1f} GiB) > {limit / 2**30:.1f} GiB on the device"
 
 
 def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
@@ -338,6 +373,14 @@ class Sweep:
     deadline: float  # time.monotonic() after which configs are skipped
     keep_going: bool
     results: Results
+    precompiled: dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def precompiled_for(self, name: str) -> dict:
+        """bench_pair's precompiled / compile_s for the config ``name`` (or none)."""
+        if name not in self.precompiled:
+            return {}
+        compiled, seconds = self.precompiled[name]
+        return {"precompiled": compiled, "compile_s": seconds}
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -360,6 +403,22 @@ def jax_mosaic_ragged_dot(case: GroupedCase) -> Callable:
         grid_block_n=4 if case.n % 512 == 0 else 1)
 
 
+def precompile_all(plan: Plan, backend: str) -> dict[str, tuple]:
+    """Compile every kernel config of the plan before timing any: name ->
+    (compiled, compile seconds); a config that fails to compile is left out
+    (its row compiles again and records the error)."""
+    compiled: dict[str, tuple] = {}
+    for case in [*mlp_cases(plan), *grouped_cases(plan)]:
+        t0 = time.perf_counter()
+        try:
+            compiled[case.name] = (jax.jit(case.fn(backend)).lower(*case.arg_specs()).compile(),
+                                   time.perf_counter() - t0)
+            print(f"compiled {case.name:<44} {compiled[case.name][1]:6.2f} s")
+        except Exception as e:  # noqa: BLE001 -- reported again by its row
+            print(f"FAILED   {case.name:<44} {type(e).__name__}: {str(e)[:300]}")
+    return compiled
+
+
 def run_grouped(plan: Plan, sweep: Sweep) -> None:
     """The grouped MoE sweep: token counts x EP x ops, one row each."""
     weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes
@@ -376,13 +435,17 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
         sizes = jnp.asarray(sizes_np)
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
         active = int(jnp.sum(sizes > 0))
-        peers = ({"jax_mosaic": jax_mosaic_ragged_dot(case)}
-                 if case.op == "down" and sweep.kernel_backend == "pallas" else {})
+        peers = {}
+        if sweep.kernel_backend == "pallas":  # tokamax: the library a JAX user would pick
+            peers["tokamax"] = (peers_lib.tokamax_ragged_dot if case.op == "down"
+                                else peers_lib.tokamax_situ_glu(**SITU))
+            if case.op == "down":
+                peers["jax_mosaic"] = jax_mosaic_ragged_dot(case)
         row = sweep.measure(
             case.name, case.fn(sweep.kernel_backend), case.fn("xla"), (x, *ws, sizes),
             flops=2.0 * case.rows * case.k * case.n * case.num_weights,
             weight_bytes=float(active * case.k * case.n * case.num_weights * 2),
-            valid_rows=case.rows, peers=peers,
+            valid_rows=case.rows, peers=peers, **sweep.precompiled_for(case.name),
             fallback_check=functools.partial(spot_check_grouped, case, x=x, ws=ws, sizes=sizes))
         sweep.results.add("grouped", {**case.fields(), "active_experts": active,
                                       "small": case.tokens <= plan.small_tokens, **row,
@@ -413,7 +476,8 @@ def run_mlp(plan: Plan, sweep: Sweep) -> None:
         x = jax.random.normal(keys[2], (case.tokens, case.d), DTYPE)
         row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
                             (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
-                            weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens)
+                            weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
+                            **sweep.precompiled_for(case.name))
         sweep.results.add("mlp", {**case.fields(), **row, "model": model_mlp(case)})
         print(format_mlp_row(sweep.results.data["mlp"][-1]))
 
@@ -603,6 +667,10 @@ def main(argv=None) -> int:
           f"copy {ceilings['copy_tbps']:.3f} TB/s")
     sweep = Sweep(kernel_backend, ceilings, iters, meta["timing"], deadline, args.keep_going,
                   results)
+    if not args.smoke:  # every kernel config compiles before any is timed
+        t0 = time.monotonic()
+        sweep.precompiled = precompile_all(plan, kernel_backend)
+        results.data["meta"]["precompile_s"] = time.monotonic() - t0
     try:
         # The MLP sweep is short: it runs first, so the time budget cannot skip it.
         run_mlp(plan, sweep)

@@ -6,13 +6,15 @@ It replays the kernel's own schedule on concrete group sizes: the launch plan
 the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
 
   * tiles and SM fill: sum of the tiles' times / (num_sms x the busiest CTA's);
-  * bytes each tile moves (weights, x, output; counted at HBM bandwidth, so x
-    re-reads that hit L2 are charged in full) and the split-K partials;
+  * bytes the tiles load into SMEM (weights, x) and store (output, split-K
+    partials); of these, HBM serves a group's weights once per N-block (its
+    first item; later items re-read them from L2), x once (re-reads by other
+    N-blocks hit L2) and every store: an assumption (50 MB L2), not measured;
   * weight reads per active expert: matmul work items per non-empty group
     (each item streams its group's weights once per N-block);
   * matmul rows computed per useful row: 64-row WGMMA slices issued / valid rows;
   * a roofline time: each tile takes max(flops / (F / num_sms),
-    bytes / (B / num_sms)) + TILE_OVERHEAD_S, a CTA's tiles run back to back,
+    HBM bytes / (B / num_sms)) + TILE_OVERHEAD_S, a CTA's tiles run back to back,
     the launch takes the busiest CTA's time, plus the split-K reduction (read
     the f32 partials, write the output) at copy bandwidth.
 
@@ -26,6 +28,7 @@ measurements; benchmarks/gpu_kernels.py puts measured next to them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +44,7 @@ COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project
 # the next tile's loads start (an assumption, ~1 HBM round trip + issue).
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
+SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +78,17 @@ class KernelCost:
                 "flops_issued": self.flops, "config": self.config}
 
 
+@functools.lru_cache(maxsize=256)
 def _tile_order(num_items: int, num_n_blocks: int, grid_block_n: int) -> np.ndarray:
     """item of each linear tile index, as the kernel's planar_snake maps it."""
     lin = jnp.arange(num_items * num_n_blocks, dtype=jnp.int32)
-    snake = jax.vmap(lambda i: plgpu.planar_snake(i, (num_items, num_n_blocks), 1,
-                                                  grid_block_n)[0])
+    snake = jax.jit(jax.vmap(lambda i: plgpu.planar_snake(i, (num_items, num_n_blocks), 1,
+                                                          grid_block_n)[0]))
     return np.asarray(snake(lin))
+
+
+# The kernel's schedule function, compiled once per (num_rows, block_m).
+_schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
 
 
 def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
@@ -99,42 +108,61 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     cfg = launch.cfg
     planes = launch.planes
     in_bytes = 2 * planes
-    out_bytes = jnp.dtype(dtype).itemsize
-    meta = np.asarray(mosaic_sm90.work_items_4W(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
+    split_k = cfg.split_k
+    out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
+    num_out = cfg.num_outputs(num_weights)
+    meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
     group_W, offset_W, count_W = meta[0], meta[2], meta[3]
     num_items = meta.shape[1]
-    k_steps = launch.num_k_steps
+    n_blocks = launch.num_n_blocks
 
-    # 64-row warpgroup slices that run WGMMAs: every consumer of a matmul item.
+    # Per (K range, item): the consumers that issue WGMMAs, the K steps, the bytes.
     matmul_W = (count_W > 0) & (group_W >= 0)
-    wgs_W = np.where(matmul_W, cfg.num_compute_wgs, 0)
+    wgs_W = np.where(matmul_W, mosaic_sm90.active_warpgroups(offset_W, count_W, cfg), 0)
+    steps_S = np.array([mosaic_sm90.k_range(s, launch.num_k_steps, split_k)[1]
+                        for s in range(split_k)])
     products = 1 if planes == 1 else 3
-    flops_W = wgs_W * WG_ROWS * cfg.block_n * k_steps * cfg.block_k * 2 * num_weights * products
-    x_W = np.where(matmul_W, cfg.block_m * k_steps * cfg.block_k * in_bytes, 0)
-    w_W = np.where(matmul_W, num_weights * k_steps * cfg.block_k * cfg.block_n * in_bytes, 0)
-    o_W = count_W * cfg.block_n * out_bytes
+    flops_SW = (steps_S[:, None] * wgs_W * WG_ROWS * cfg.block_n * cfg.block_k * 2
+                * num_weights * products)
+    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_m * cfg.block_k * in_bytes, 0)
+    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n
+                                       * in_bytes, 0)
+    # Stores: the item's rows; split-K partials: every consumer's whole 64-row slice.
+    stored_W = (np.where(count_W > 0, cfg.block_m, 0) if split_k > 1 else count_W)
+    o_SW = np.broadcast_to(stored_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
+    # HBM traffic of a tile: its weights when it is its group's first item
+    # (later items of the group re-read them from L2), its share of x (read
+    # from HBM once; the other N-blocks' re-reads hit L2) and its stores.
+    first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
+    hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
     per_sm_flops = DENSE_BF16_FLOPS / num_sms
     per_sm_bw = COPY_BYTES_PER_S / num_sms
-    time_W = np.where(count_W > 0, np.maximum(flops_W / per_sm_flops, (x_W + w_W + o_W) / per_sm_bw)
-                      + TILE_OVERHEAD_S, 0.0)
+    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops, hbm_SW / per_sm_bw)
+                       + TILE_OVERHEAD_S, 0.0)
 
-    item_T = _tile_order(num_items, launch.num_n_blocks, cfg.grid_block_n)
-    time_T = time_W[item_T]
+    # Linear tile index -> (K range, snake(used item, N-block)) -> CTA index
+    # mod num_sms; the loop's remaining indices (past the used items) are idle.
+    used = max(int(np.count_nonzero(count_W)), 1)
+    item_T = np.tile(_tile_order(used, n_blocks, cfg.grid_block_n), split_k)
+    split_T = np.repeat(np.arange(split_k), used * n_blocks)
+    time_T = time_SW[split_T, item_T]
     cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
     busiest = float(cta_time.max())
-    n_blocks = launch.num_n_blocks
+    # Split-K: XLA reads the f32 partials and writes the output (one fusion).
+    reduce_bytes = (split_k * min(m, launch.m_pad) * launch.n_pad * 4 * num_weights
+                    + m * launch.n_pad * jnp.dtype(dtype).itemsize) if split_k > 1 else 0
     useful_rows = int(min(sizes.sum(), m))
     active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
     return KernelCost(
-        tiles=int(np.count_nonzero(count_W)) * n_blocks,
+        tiles=int(np.count_nonzero(count_W)) * n_blocks * split_k,
         sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
-        weight_bytes=float(w_W.sum() * n_blocks), x_bytes=float(x_W.sum() * n_blocks),
-        out_bytes=float(o_W.sum() * n_blocks),
+        weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
+        out_bytes=float(o_SW.sum() * n_blocks + reduce_bytes),
         weight_reads_per_active_expert=float(np.count_nonzero(matmul_W) / active) if active else 0.0,
         rows_computed_per_useful_row=(float(wgs_W.sum() * WG_ROWS / useful_rows)
                                       if useful_rows else 0.0),
-        flops=float(flops_W.sum() * n_blocks),
-        predicted_us=busiest * 1e6,
+        flops=float(flops_SW.sum() * n_blocks),
+        predicted_us=(busiest + reduce_bytes / COPY_BYTES_PER_S) * 1e6,
         config={**dataclasses.asdict(cfg), "planes": planes})
 
 
@@ -143,6 +171,34 @@ def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
              num_sms: int = H200_NUM_SMS) -> KernelCost:
     """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row)."""
     return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms)
+
+
+def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+                    num_sms: int = H200_NUM_SMS) -> mosaic_sm90.TileConfig:
+    """The tiles situ_mlp_up launches: default_config's tile for G = 1 (at its
+    block_n or half of it), or split-K S >= 2 on one-consumer tiles (FUSED_DECODE at its block_n or half:
+    the two-consumer tiles spill registers with split-K), whichever this model
+    predicts fastest; split-K only wins where the tiles leave SMs idle (the
+    f32 partials cost a write and a read)."""
+    base = mosaic_sm90.default_config(tokens, 1, 2)
+    split = mosaic_sm90.FUSED_DECODE
+    costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
+    with jax.ensure_compile_time_eval():
+        for cfg in (base, dataclasses.replace(base, block_n=base.block_n // 2)):
+            costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg, num_sms=num_sms), cfg))
+        for block_n in (split.block_n, split.block_n // 2):  # narrower N: finer tiles
+            for split_k in range(2, -(-d // split.block_k) + 1):
+                cfg = dataclasses.replace(split, block_n=block_n, split_k=split_k)
+                try:
+                    costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,
+                                           num_sms=num_sms), cfg))
+                except ValueError:  # K ranges shorter than the pipeline: no larger split
+                    break
+    fastest = min(cost.predicted_us for cost, _ in costs)
+    # Within SPLIT_TIE of the fastest, the fullest launch (then the fewest splits):
+    # the model's per-SM bandwidth share is its least certain part.
+    near = [(cost, cfg) for cost, cfg in costs if cost.predicted_us <= fastest * (1 + SPLIT_TIE)]
+    return max(near, key=lambda c: (round(c[0].sm_fill, 2), -c[1].split_k))[1]
 
 
 def xla_ragged_dot_dense_s(m: int, k: int, n: int, num_groups: int, num_weights: int) -> float:
@@ -162,6 +218,6 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
+__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
            "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
            "xla_ragged_dot_dense_s"]
