@@ -169,7 +169,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
              config: mosaic_sm90.TileConfig | None = None,
              num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row)."""
+    """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row);
+    config=None: the tiles situ_mlp_up picks (best_mlp_config)."""
+    config = config or best_mlp_config(tokens, d, f, dtype=dtype, num_sms=num_sms)
     return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms)
 
 
