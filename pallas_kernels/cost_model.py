@@ -100,9 +100,11 @@ def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
 
 def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                  dtype=jnp.bfloat16, config: mosaic_sm90.TileConfig | None = None,
-                 num_sms: int = H200_NUM_SMS) -> KernelCost:
+                 num_sms: int = H200_NUM_SMS, static_sizes: bool = False) -> KernelCost:
     """Model one grouped launch: x [m, k] (rows sorted by group) times
-    num_weights weights [G, k, n] with the concrete ``group_sizes_G``."""
+    num_weights weights [G, k, n] with the concrete ``group_sizes_G``, passed
+    to the kernel traced (its table has the static bound's W columns) or,
+    static_sizes=True, as numpy (the dense MLP: only the used items)."""
     sizes = np.asarray(group_sizes_G, np.int64)
     launch = mosaic_sm90.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg = launch.cfg
@@ -111,7 +113,11 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     split_k = cfg.split_k
     out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
     num_out = cfg.num_outputs(num_weights)
-    meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
+    with mosaic_sm90.host_eval():
+        if static_sizes:
+            meta = np.asarray(mosaic_sm90.schedule(sizes.astype(np.int32), m, cfg.block_m))
+        else:
+            meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
     group_W, offset_W, count_W = meta[0], meta[2], meta[3]
     num_items = meta.shape[1]
     n_blocks = launch.num_n_blocks
@@ -140,11 +146,10 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops, hbm_SW / per_sm_bw)
                        + TILE_OVERHEAD_S, 0.0)
 
-    # Linear tile index -> (K range, snake(used item, N-block)) -> CTA index
-    # mod num_sms; the loop's remaining indices (past the used items) are idle.
-    used = max(int(np.count_nonzero(count_W)), 1)
-    item_T = np.tile(_tile_order(used, n_blocks, cfg.grid_block_n), split_k)
-    split_T = np.repeat(np.arange(split_k), used * n_blocks)
+    # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
+    with mosaic_sm90.host_eval():
+        item_T = np.tile(_tile_order(num_items, n_blocks, cfg.grid_block_n), split_k)
+    split_T = np.repeat(np.arange(split_k), num_items * n_blocks)
     time_T = time_SW[split_T, item_T]
     cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
     busiest = float(cta_time.max())
@@ -172,7 +177,8 @@ def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
     """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row);
     config=None: the tiles situ_mlp_up picks (best_mlp_config)."""
     config = config or best_mlp_config(tokens, d, f, dtype=dtype, num_sms=num_sms)
-    return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms)
+    return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms,
+                        static_sizes=True)
 
 
 def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
@@ -185,7 +191,7 @@ def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
     base = mosaic_sm90.default_config(tokens, 1, 2)
     split = mosaic_sm90.FUSED_DECODE
     costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
-    with jax.ensure_compile_time_eval():
+    with mosaic_sm90.host_eval():
         for cfg in (base, dataclasses.replace(base, block_n=base.block_n // 2)):
             costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg, num_sms=num_sms), cfg))
         for block_n in (split.block_n, split.block_n // 2):  # narrower N: finer tiles

@@ -56,6 +56,7 @@ production weights are bf16 and take the 1-MMA path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -63,6 +64,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -251,6 +253,25 @@ def work_items_4W(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.
     return jnp.stack([group_W, x_row0_W, offset_W, count_W]).astype(jnp.int32)
 
 
+@contextlib.contextmanager
+def host_eval():
+    """Evaluate jax ops eagerly on the host CPU, also inside a jit trace and in
+    a deviceless compile (whose default device cannot run anything)."""
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
+        yield
+
+
+def schedule(group_sizes_G, num_rows: int, block_m: int) -> jax.Array:
+    """The kernel's work-item table: work_items_4W on traced sizes (W columns,
+    the static bound), or, for concrete numpy sizes (the dense MLP), only the
+    used items (so the persistent loop has no idle tiles to spread)."""
+    if not isinstance(group_sizes_G, np.ndarray):
+        return work_items_4W(group_sizes_G, num_rows, block_m)
+    with host_eval():
+        meta = np.asarray(work_items_4W(jnp.asarray(group_sizes_G, jnp.int32), num_rows, block_m))
+    return jnp.asarray(meta[:, :max(int(np.count_nonzero(meta[3])), 1)])
+
+
 def active_warpgroups(offset, count, cfg: TileConfig):
     """Consumer warpgroups of a tile that hold some of rows [offset, offset +
     count) (the ones that issue WGMMAs); works on ints and arrays."""
@@ -317,7 +338,7 @@ _PRODUCTS = {1: ((0, 0),), 2: ((1, 0), (0, 1), (0, 0))}
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, num_rows: int,
                num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, used_1, *x_planes_MK, *w_planes_GKN, *o_MNs) for num_w weights
+    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, *o_MNs) for num_w weights
     of ``planes`` planes each (1: bf16/f16; 2: hi/lo bf16 split of float32).
 
     epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
@@ -334,7 +355,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
     pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes)
     products = _PRODUCTS[planes]
 
-    def body(meta_gmem, used_gmem, *refs):
+    def body(meta_gmem, *refs):
         x_gmems, w_gmems = refs[:planes], refs[planes:planes + num_w * planes]
         o_gmems = refs[planes + num_w * planes:]
         num_items = meta_gmem.shape[1]
@@ -350,21 +371,17 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
         def _scope(allocs, o_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
-            # Tiles 0 .. S x used x N-blocks - 1 (the used items come first in
-            # the table): tile i runs on CTA i mod num_sms, so the real tiles
-            # spread evenly; the loop's static bound covers the W-item worst case.
-            used = used_gmem[0]
-
+            # Static shapes only: a traced item count in the snake's divisions
+            # made ptxas spill (16-40 bytes) in the fused tiles.
             @plgpu.nd_loop((split_k * num_items * num_n_blocks,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
-                split, lin = jnp.divmod(info.index[0], jnp.maximum(used, 1) * num_n_blocks)
+                split, lin = jnp.divmod(info.index[0], num_items * num_n_blocks)
                 item, n_block = plgpu.planar_snake(
-                    lin, (jnp.maximum(used, 1), num_n_blocks), 1, cfg.grid_block_n)
-                real = split < split_k
+                    lin, (num_items, num_n_blocks), 1, cfg.grid_block_n)
                 group = meta_gmem[0, item]
                 x_row0 = meta_gmem[1, item]
                 offset = meta_gmem[2, item]
-                count = jnp.where(real, meta_gmem[3, item], 0)
+                count = meta_gmem[3, item]
                 # This consumer's share of the item's rows [offset, offset + count).
                 lo = jnp.clip(offset - wg * wg_m, 0, wg_m)
                 hi = jnp.clip(offset + count - wg * wg_m, 0, wg_m)
@@ -577,8 +594,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
     x_planes = _to_planes(_pad_axis(_pad_axis(x_MK, 0, m_pad), 1, k_pad), in_dtype, planes)
     w_planes = [p for w in w_GKNs
                 for p in _to_planes(_pad_axis(_pad_axis(w, 1, k_pad), 2, n_pad), in_dtype, planes)]
-    meta_4W = work_items_4W(group_sizes_G, m, cfg.block_m)
-    used_1 = jnp.sum(meta_4W[3] > 0, keepdims=True, dtype=jnp.int32)
+    meta_4W = schedule(group_sizes_G, m, cfg.block_m)
 
     if split_k > 1:
         kernel_epilogue, kernel_dtype = (lambda *accs: accs), jnp.float32
@@ -601,12 +617,12 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
         interpret=_interpret_params(interpret),
     )
     if split_k > 1:  # sum the K ranges' f32 partials, then the epilogue (fused by XLA)
-        partials = kernel(meta_4W, used_1, *x_planes, *w_planes)
+        partials = kernel(meta_4W, *x_planes, *w_planes)
         y_MN = epilogue(*[p.reshape(split_k, m_pad, n_pad)[:, :m].sum(axis=0) for p in partials])
         valid_M1 = (jnp.arange(m) < jnp.sum(group_sizes_G))[:, None]
         y_MN = jnp.where(valid_M1, y_MN, 0).astype(out_dtype)
     else:
-        y_MN = kernel(meta_4W, used_1, *x_planes, *w_planes)
+        y_MN = kernel(meta_4W, *x_planes, *w_planes)
     return y_MN if n_pad == n else y_MN[:, :n]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cost_model
 from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
@@ -31,7 +32,7 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
     if config is None and x_TD.shape[0] > 0:
         config = cost_model.best_mlp_config(x_TD.shape[0], x_TD.shape[1], gate_DF.shape[1],
                                             dtype=jnp.result_type(x_TD, gate_DF, up_DF))
-    all_rows_1 = jnp.full((1,), x_TD.shape[0], jnp.int32)
+    all_rows_1 = np.full((1,), x_TD.shape[0], np.int32)  # static: exact schedule
     return grouped.grouped_situ_glu(x_TD, gate_DF[None], up_DF[None], all_rows_1,
                                     beta=beta, linear_beta=linear_beta, config=config,
                                     interpret=interpret)

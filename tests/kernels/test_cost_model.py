@@ -33,12 +33,16 @@ def test_counts_match_a_hand_count():
 
 
 def test_sm_fill_counts_the_busiest_cta():
-    """264 equal tiles on 132 CTAs fill every SM; 133 leave one CTA with two."""
+    """Static sizes (the MLP's exact schedule): 264 equal tiles on 132 CTAs
+    fill every SM; 133 leave one CTA with two. Traced sizes: the table's
+    W-bound slack items are idle loop steps that unbalance the CTAs."""
     cfg = mosaic_sm90.TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=2)
-    full = cost_model.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg)
+    full = cost_model.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg, static_sizes=True)
     assert full.tiles == 264 and full.sm_fill == pytest.approx(1.0)
-    ragged = cost_model.grouped_cost([64], 64, 256, 128 * 133, 1, config=cfg)
+    ragged = cost_model.grouped_cost([64], 64, 256, 128 * 133, 1, config=cfg, static_sizes=True)
     assert ragged.tiles == 133 and ragged.sm_fill == pytest.approx(133 / 264)
+    traced = cost_model.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg)
+    assert traced.tiles == 264 and traced.sm_fill < 1.0
 
 
 def test_split_k_fills_the_sms_for_the_decode_mlp():
