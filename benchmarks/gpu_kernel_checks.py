@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(_REPO, "tests", "kernels"))
 
 import kernel_cases as kc  # noqa: E402 -- the test suite's inputs and float64 references
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -51,15 +52,25 @@ class Case:
     groups: int
     pattern: str  # kernel_cases.group_pattern name; "mlp" for situ_mlp_up
     dtype: object
+    num_ctas: int | None = None  # force the persistent grid size (None: every SM)
 
     @property
     def name(self) -> str:
         dtype = jnp.dtype(self.dtype).name
-        return f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} {dtype}"
+        ctas = f" ctas={self.num_ctas}" if self.num_ctas else ""
+        return (f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} "
+                f"{dtype}{ctas}")
 
     def fn(self, backend: str):
         """The kernel on ``backend``: f(x, w, sizes) | f(x, w_gate, w_up, sizes) |
         f(x, gate_DF, up_DF) for "matmul" | "situ_glu" | "mlp"."""
+        if self.num_ctas:  # the Mosaic kernel itself, on num_ctas CTAs (not interpret)
+            num_w = 1 if self.op == "matmul" else 2
+            cfg = dataclasses.replace(
+                mosaic_sm90.default_config(self.m, self.groups, num_w), num_ctas=self.num_ctas)
+            if self.op == "matmul":
+                return lambda x, w, s: mosaic_sm90.grouped_matmul(x, w, s, config=cfg)
+            return lambda x, a, b, s: mosaic_sm90.grouped_situ_glu(x, a, b, s, config=cfg, **SITU)
         if self.op == "matmul":
             return lambda x, w, s: grouped_matmul(x, w, s, backend=backend)
         if self.op == "situ_glu":
@@ -95,6 +106,13 @@ CASES: list[Case] = [
     # the fused dense MLP (one group holding every row)
     Case("mlp", 40, 256, 192, 1, "mlp", BF16), Case("mlp", 40, 256, 192, 1, "mlp", F32),
     Case("mlp", 512, 512, 256, 1, "mlp", BF16),
+    # the persistent path: >= 1000 tiles with K >= 1024, so every CTA runs many
+    # tiles and the stage ring wraps (K / 64 = 16 steps per tile)...
+    Case("matmul", 4096, 1024, 8192, 8, "uniform", BF16),  # ~1300 prefill tiles
+    Case("situ_glu", 2048, 1024, 4096, 64, "zeros_skewed", BF16),  # ~2000 tiles
+    # ...on 3 CTAs (hundreds of tiles each), and split-K at every K range length
+    Case("situ_glu", 1024, 1024, 1024, 4, "sum_lt_m", BF16, num_ctas=3),
+    Case("mlp", 8, 7168, 768, 1, "mlp", BF16),  # the tp 8 decode MLP: split-K
 ]
 
 

@@ -5,8 +5,10 @@ One run measures, on one GPU:
     (TB/s, bytes read + bytes written);
   * grouped MoE matmuls at K3 shapes, for local-expert counts 896 / EP:
       - "gate_up_situ": fused x @ [w1 | w3] + SiTU-GLU, 3584 -> 2 x 3072
-        (kernel: grouped_situ_glu; baseline: two jax.lax.ragged_dot + situ_glu)
-      - "down": 3072 -> 3584 (kernel: grouped_matmul; baseline: ragged_dot)
+        (kernel: grouped_situ_glu; baseline: two jax.lax.ragged_dot + situ_glu;
+        peer: two tokamax.ragged_dot (Mosaic GPU) + situ_glu)
+      - "down": 3072 -> 3584 (kernel: grouped_matmul; baseline: ragged_dot;
+        peers: tokamax.ragged_dot, jax's ragged_dot_mgpu)
     with M = tokens x top_k rows spread over the local experts (random
     balanced routing), reporting % of the dense matmul rate and, for the
     small token counts where the kernels stream weights, the achieved
@@ -32,6 +34,13 @@ short by a time limit still leaves what it measured.
   python benchmarks/gpu_kernels.py --lower-only   # CPU: lower every kernel config for sm_90
   python benchmarks/gpu_kernels.py --lower-triton # CPU: the same for the Triton rows
   python benchmarks/gpu_kernels.py --smoke --json /tmp/smoke.json                  # CPU, seconds
+  python benchmarks/gpu_kernels.py --model-only --json model.json  # CPU: the static cost model
+
+--model-only writes, for every row of the sweep, what pallas_kernels/cost_model.py
+predicts from the kernel's own schedule on the sweep's routing (tiles, SM fill,
+weight reads per active expert, x bytes over weight bytes, rows computed per
+useful row, predicted time); a GPU run puts the same prediction ("model") in
+each row beside the measured figures.
 
 Exit status: 0 all rows measured and correct; 1 some row failed (with
 --keep-going) or some config failed to lower (--lower-only, --lower-triton); 2 usage error;
@@ -43,8 +52,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -57,11 +68,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_mxfp4 import device_memory_bytes, run_mxfp4
-from bench_report import Results, format_grouped_row, format_mlp_row
+from bench_mxfp4 import run_mxfp4
+from bench_report import Results, format_grouped_row, format_mlp_row, write_atomically
 from bench_timing import TIMERS, pick_timing, time_all
 
-from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend, situ_glu, situ_mlp_up
+from pallas_kernels import (
+    cost_model,
+    grouped_matmul,
+    grouped_situ_glu,
+    resolve_backend,
+    situ_glu,
+    situ_mlp_up,
+)
+from pallas_kernels import peers as peers_lib
 from pallas_kernels.grouped_matmul import reference
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -324,11 +343,15 @@ CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weight_bytes: float,
                valid_rows: int, ceilings: dict, iters: int, timing: str,
-               fallback_check=None, peers: dict[str, Callable] | None = None) -> dict:
+               fallback_check=None, peers: dict[str, Callable] | None = None,
+               precompiled=None, compile_s: float | None = None) -> dict:
     """Check the kernel against XLA, then time kernel, XLA and peers; one row.
 
     fallback_check(out) -> rel err verifies the kernel when the XLA baseline
-    itself fails (its error is recorded in the row as "xla_error"). ``peers``
+    itself fails (its error is recorded in the row as "xla_error") or would
+    not fit the device ("xla_skipped": arguments + temporaries > its memory).
+    ``precompiled`` is the kernel compiled before any timing (precompile_all),
+    with its compile time ``compile_s``; the row records compile and run times. ``peers``
     (name -> fn, e.g. jax's own Mosaic ragged_dot) are checked the same way
     and timed beside; a failing peer is recorded as "<name>_error". The row
     names the custom calls in XLA's compiled program ("xla_custom_calls"), so
@@ -336,20 +359,27 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
     """
     row: dict = {"flops": flops, "weight_bytes": weight_bytes}
     timed: dict[str, Callable] = {}
+    t_row = time.perf_counter()
+    ref = None
     try:
+        t0 = time.perf_counter()
         xla = jax.jit(xla_fn).lower(*args).compile()
+        row["xla_compile_s"] = time.perf_counter() - t0
         row["xla_custom_calls"] = sorted(set(CUSTOM_CALL.findall(xla.as_text())))
-        row["xla_temp_bytes"] = temp = xla.memory_analysis().temp_size_in_bytes
-        memory = device_memory_bytes(jax.devices()[0])
-        if memory is not None and temp > memory:   # e.g. a dense ragged_dot expansion
-            raise MemoryError(f"skipped: compiled temporaries {temp / 2**30:.1f} GiB exceed "
-                              f"the GPU's {memory / 2**30:.1f} GiB")
-        ref = jax.block_until_ready(xla(*args))
-        timed["xla"] = xla
+        too_big = exceeds_device_memory(xla)
+        if too_big:  # e.g. XLA's dense ragged_dot: 202 GiB at 16384 tokens, EP 8
+            row["xla_skipped"] = too_big
+            print(f"# {name}: XLA baseline skipped: {too_big}")
+        else:
+            ref = jax.block_until_ready(xla(*args))
+            timed["xla"] = xla
     except Exception as e:  # noqa: BLE001 -- e.g. XLA expands ragged_dot densely: OOM
         ref, row["xla_error"] = None, f"{type(e).__name__}: {str(e)[:300]}"
     try:
-        kernel = jax.jit(kernel_fn).lower(*args).compile()
+        t0 = time.perf_counter()
+        kernel = precompiled if precompiled is not None else jax.jit(kernel_fn).lower(*args).compile()
+        row["kernel_compile_s"] = (compile_s if precompiled is not None
+                                   else time.perf_counter() - t0)
         out = jax.block_until_ready(kernel(*args))
     except Exception as e:
         raise KernelMismatch(f"{name}: kernel raised {type(e).__name__}: {str(e)[:2000]}") from e
@@ -357,9 +387,10 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
         row["max_rel_err"] = check_against_reference(name, out, ref, valid_rows)
     elif fallback_check is not None:
         row["max_rel_err"] = fallback_check(out)
-        row["checked"] = "spot check (XLA baseline failed)"
+        row["checked"] = "spot check (XLA baseline failed or skipped)"
     else:
-        raise KernelMismatch(f"{name}: no XLA reference to verify against ({row['xla_error']})")
+        why = row.get("xla_error") or row.get("xla_skipped")
+        raise KernelMismatch(f"{name}: no XLA reference to verify against ({why})")
     timed["kernel"] = kernel
     for peer, peer_fn in (peers or {}).items():
         try:
@@ -375,7 +406,23 @@ def bench_pair(name: str, kernel_fn, xla_fn, args: tuple, *, flops: float, weigh
         row[impl] = _rates(flops, weight_bytes, t, ceilings)
     if "xla" in row:
         row["speedup"] = row["xla"]["us"] / row["kernel"]["us"]
+    row["row_s"] = time.perf_counter() - t_row
     return row
+
+
+def exceeds_device_memory(compiled) -> str | None:
+    """Why a compiled program cannot run on this device (its arguments, outputs
+    and temporaries exceed the device's memory), or None."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    mem = compiled.memory_analysis()
+    if not limit or mem is None:
+        return None
+    need = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+    if need <= limit:
+        return None
+    return (f"needs {need / 2**30:.1f} GiB (temporaries {mem.temp_size_in_bytes / 2**30:.1f} GiB) "
+            f"> {limit / 2**30:.1f} GiB on the device")
 
 
 def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
@@ -400,6 +447,14 @@ class Sweep:
     deadline: float  # time.monotonic() after which configs are skipped
     keep_going: bool
     results: Results
+    precompiled: dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+    def precompiled_for(self, name: str) -> dict:
+        """bench_pair's precompiled / compile_s for the config ``name`` (or none)."""
+        if name not in self.precompiled:
+            return {}
+        compiled, seconds = self.precompiled[name]
+        return {"precompiled": compiled, "compile_s": seconds}
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -422,6 +477,22 @@ def jax_mosaic_ragged_dot(case: GroupedCase) -> Callable:
         grid_block_n=4 if case.n % 512 == 0 else 1)
 
 
+def precompile_all(plan: Plan, backend: str) -> dict[str, tuple]:
+    """Compile every kernel config of the plan before timing any: name ->
+    (compiled, compile seconds); a config that fails to compile is left out
+    (its row compiles again and records the error)."""
+    compiled: dict[str, tuple] = {}
+    for case in [*mlp_cases(plan), *grouped_cases(plan)]:
+        t0 = time.perf_counter()
+        try:
+            compiled[case.name] = (jax.jit(case.fn(backend)).lower(*case.arg_specs()).compile(),
+                                   time.perf_counter() - t0)
+            print(f"compiled {case.name:<44} {compiled[case.name][1]:6.2f} s")
+        except Exception as e:  # noqa: BLE001 -- reported again by its row
+            print(f"FAILED   {case.name:<44} {type(e).__name__}: {str(e)[:300]}")
+    return compiled
+
+
 def run_grouped(plan: Plan, sweep: Sweep) -> None:
     """The grouped MoE sweep: token counts x EP x ops, one row each."""
     weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes (+ 3.5 MXFP4)
@@ -438,15 +509,19 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
         if case.mxfp4:
             names = ("gate", "up") if case.op == "gate_up_situ" else ("down",)
             ws = tuple(a for name in names for a in w[name + "_mxfp4"])
-        sizes = jnp.asarray(routed_group_sizes(case.rows, case.local_experts,
-                                               seed=case.tokens + case.ep))
+        sizes_np = grouped_sizes(case)
+        sizes = jnp.asarray(sizes_np)
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
         active = int(jnp.sum(sizes > 0))
-        peers = ({"jax_mosaic": jax_mosaic_ragged_dot(case)}
-                 if case.op == "down" and sweep.kernel_backend == "pallas" and not case.mxfp4
-                 else {})
-        if with_triton and sweep.kernel_backend == "pallas" and not case.mxfp4:
-            peers["triton"] = case.fn("triton")
+        peers = {}
+        if sweep.kernel_backend == "pallas" and not case.mxfp4:
+            # tokamax: the library a JAX user would pick
+            peers["tokamax"] = (peers_lib.tokamax_ragged_dot if case.op == "down"
+                                else peers_lib.tokamax_situ_glu(**SITU))
+            if case.op == "down":
+                peers["jax_mosaic"] = jax_mosaic_ragged_dot(case)
+            if with_triton:
+                peers["triton"] = case.fn("triton")
         # MXFP4 rows: the Triton kernel is the kernel; 0.53125 B per weight element
         kernel_fn = case.fn("triton" if case.mxfp4 else sweep.kernel_backend)
         row = sweep.measure(
@@ -454,11 +529,14 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
             flops=2.0 * case.rows * case.k * case.n * case.num_weights,
             weight_bytes=float(active * case.k * case.n * case.num_weights
                                * (17 / 32 if case.mxfp4 else 2)),
-            valid_rows=case.rows, peers=peers,
-            fallback_check=lambda out, case=case, x=x, ws=ws, sizes=sizes: spot_check_grouped(
-                case, out, x=x, ws=_dense_weights(case, ws), sizes=sizes))
+            valid_rows=case.rows, peers=peers, **sweep.precompiled_for(case.name),
+            fallback_check=functools.partial(spot_check_grouped, case, x=x,
+                                             ws=_dense_weights(case, ws), sizes=sizes))
         sweep.results.add("grouped", {**case.fields(), "active_experts": active,
-                                      "small": case.tokens <= plan.small_tokens, **row})
+                                      "small": case.tokens <= plan.small_tokens, **row,
+                                      # the model prices bf16 weights: none for MXFP4 rows
+                                      **({} if case.mxfp4 else
+                                         {"model": model_grouped(case, sizes_np)})})
         print(format_grouped_row(sweep.results.data["grouped"][-1]))
 
 
@@ -503,9 +581,64 @@ def run_mlp(plan: Plan, sweep: Sweep) -> None:
         row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
                             (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
                             weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
-                            peers=peers)
-        sweep.results.add("mlp", {**case.fields(), **row})
+                            peers=peers, **sweep.precompiled_for(case.name))
+        sweep.results.add("mlp", {**case.fields(), **row, "model": model_mlp(case)})
         print(format_mlp_row(sweep.results.data["mlp"][-1]))
+
+
+def grouped_sizes(case: GroupedCase) -> np.ndarray:
+    """The sweep's routing for ``case`` (the GPU run and the model use the same)."""
+    return routed_group_sizes(case.rows, case.local_experts, seed=case.tokens + case.ep)
+
+
+def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
+    """The cost model's prediction for one grouped row, with the targets' ratios."""
+    cost = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    active = int(np.count_nonzero(sizes))
+    useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
+    weight_bytes = 2.0 * active * case.k * case.n * case.num_weights
+    xla_s = cost_model.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
+                                              case.num_weights)
+    seconds = cost.predicted_us * 1e-6
+    return {**cost.fields(),
+            "pct_dense": 100 * useful_flops / seconds / cost_model.DENSE_BF16_FLOPS,
+            "pct_copy": 100 * weight_bytes / seconds / cost_model.COPY_BYTES_PER_S,
+            "xla_ragged_dot_dense_us": xla_s * 1e6, "speedup_vs_xla_dense": xla_s / seconds}
+
+
+def model_mlp(case: MlpCase) -> dict:
+    """The cost model's prediction for one MLP row, beside XLA's roofline."""
+    cost = cost_model.mlp_cost(case.tokens, case.d, case.f)
+    xla_s = cost_model.xla_mlp_roofline_s(case.tokens, case.d, case.f)
+    return {**cost.fields(), "xla_roofline_us": xla_s * 1e6,
+            "speedup_vs_xla_roofline": xla_s / (cost.predicted_us * 1e-6)}
+
+
+def model_all(plan: Plan) -> dict:
+    """Every row of the sweep, as the static cost model predicts it (no GPU)."""
+    grouped = [{"op": c.op, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
+                "local_experts": c.local_experts, "K": c.k, "N": c.n,
+                "active_experts": int(np.count_nonzero(grouped_sizes(c))),
+                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan)]
+    mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
+            **model_mlp(c)} for c in mlp_cases(plan)]
+    return {"meta": {"model": "pallas_kernels/cost_model.py", "num_sms": cost_model.H200_NUM_SMS,
+                     "dense_bf16_flops": cost_model.DENSE_BF16_FLOPS,
+                     "copy_bytes_per_s": cost_model.COPY_BYTES_PER_S,
+                     "tile_overhead_s": cost_model.TILE_OVERHEAD_S, "top_k": plan.top_k,
+                     "num_experts": plan.num_experts},
+            "grouped": grouped, "mlp": mlp}
+
+
+def print_model(model: dict) -> None:
+    print(f"{'op':<13}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
+          f"{'x/w':>7}{'rows':>6}{'pred us':>9}  vs XLA")
+    for r in model["grouped"] + model["mlp"]:
+        vs = r.get("speedup_vs_xla_dense", r.get("speedup_vs_xla_roofline"))
+        print(f"{r['op']:<13}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
+              f"{r['sm_fill']:>6.2f}{r['weight_reads_per_active_expert']:>7.3f}"
+              f"{r['x_bytes_over_weight_bytes']:>7.3f}{r['rows_computed_per_useful_row']:>6.2f}"
+              f"{r['predicted_us']:>9.1f}  {vs:.2f}x")
 
 
 def lower_all(plan: Plan) -> int:
@@ -574,9 +707,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--lower-only", action="store_true",
                       help="lower every kernel config of the sweep for sm_90 and stop "
                            "(no GPU needed; a pre-flight check before a GPU run)")
-    mode.add_argument("--lower-triton", action="store_true",
-                      help="lower every Triton row of the sweep (bf16 and MXFP4 grouped, MLP) "
-                           "for sm_90 through jax-triton and stop (no GPU needed)")
+    mode.add_argument("--model-only", action="store_true",
+                      help="print (and with --json write) the static cost model's prediction "
+                           "for every row of the sweep and stop (no GPU needed)")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a BENCHMARKS.md snippet")
     p.add_argument("--iters", type=_positive_int, default=None,
@@ -612,6 +745,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return dataclasses.replace(plan, **{k: tuple(v) for k, v in overrides.items() if v})
 
 
+def _dump_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -626,6 +764,12 @@ def main(argv=None) -> int:
         return 1 if lower_all(plan) else 0
     if args.lower_triton:
         return 1 if lower_all_triton(plan) else 0
+    if args.model_only:
+        model = model_all(plan)
+        print_model(model)
+        if args.json:
+            write_atomically(args.json, lambda tmp: _dump_json(tmp, model))
+        return 0
     iters = args.iters or (1 if args.smoke else 10)
     # a GPU run: Mosaic on Hopper, Triton on other CUDA GPUs (sm_80+)
     kernel_backend = "interpret" if args.smoke else resolve_backend("auto")
@@ -654,6 +798,10 @@ def main(argv=None) -> int:
           f"copy {ceilings['copy_tbps']:.3f} TB/s")
     sweep = Sweep(kernel_backend, ceilings, iters, meta["timing"], deadline, args.keep_going,
                   results)
+    if not args.smoke:  # every kernel config compiles before any is timed
+        t0 = time.monotonic()
+        sweep.precompiled = precompile_all(plan, kernel_backend)
+        results.data["meta"]["precompile_s"] = time.monotonic() - t0
     try:
         # The MLP sweep is short: it runs first, so the time budget cannot skip it.
         run_mlp(plan, sweep)

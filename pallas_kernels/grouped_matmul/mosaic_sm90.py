@@ -9,11 +9,23 @@ Two products share one kernel body:
 
 Scheduling ("group metadata" scheme). Rows are sorted by group. The row range
 [0, M) is cut into segments: one per group plus a tail segment [sum(sizes), M)
-that must come out as zeros. A *work item* is one (segment, M-block) pair with
-a non-empty intersection; there are at most cdiv(M, block_m) + G of them.
-``work_items_4W`` computes them in XLA (O(G + W) scalar work, jittable with a
-traced group_sizes) as an int32 [4, W] table: (group or -1 for the tail,
-M-block, first row within the block, number of rows).
+that must come out as zeros. Work items are group-aligned: a segment of n rows
+is cut into cdiv(n, block_m) items starting at its own first row, so a group
+of <= block_m rows is one item and streams its weights once per N-block
+(items cut at global M-block boundaries read a straddling group's weights once
+per block). An item's x tile is the block_m rows from its first row, moved
+back to end at row M when it would run past it. There are at most
+cdiv(M, block_m) + G items. ``work_items_4W`` computes them in XLA (O(G + W)
+scalar work, jittable with a traced group_sizes) as an int32 [4, W] table:
+(group or -1 for the tail, first x row of the tile, first item row within the
+tile, number of rows).
+
+Split-K (TileConfig.split_k = S > 1, for launches with too few tiles to fill
+the SMs, e.g. the dense MLP at small T): every tile runs once per K range
+(S near-equal ranges of K steps: at most two lengths, one static pipeline
+each), its f32 products
+go to S partial outputs per weight, and the caller's XLA sums them and applies
+the epilogue (the SiTU after the reduction).
 
 The kernel is persistent (one CTA per SM) and warp-specialized: every
 warpgroup loops over the same (work item, N-block) pairs; a producer
@@ -21,7 +33,8 @@ warpgroup streams x and weight tiles into SMEM with TMA
 (``max_concurrent_steps`` stages) while 1 (decode tiles) or 2 (prefill tiles,
 sharing each weight tile) consumer warpgroups run WGMMA into f32 register
 accumulators, one per weight, and apply the epilogue in registers. Empty items
-and size-0 groups cost nothing; a tail item skips the matmul and writes zeros.
+and size-0 groups cost nothing; a tail item skips the matmul and writes zeros;
+a consumer whose 64 rows hold none of the item's rows issues no WGMMA.
 Each consumer stores only the item's rows of its 64-row slice, with a
 logarithmic ladder of fixed-size TMA stores (as in jax's ragged_dot_mgpu.py),
 so items sharing an M-block never overwrite each other's rows and rows of x
@@ -43,6 +56,7 @@ production weights are bf16 and take the 1-MMA path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -50,6 +64,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -84,20 +99,29 @@ class TileConfig:
     block_k: int = 64
     max_concurrent_steps: int = 4
     grid_block_n: int = 8
+    split_k: int = 1
+    num_ctas: int | None = None  # persistent grid size; None: the device's SM count
 
     @property
     def block_m(self) -> int:
         return self.wg_block_m * self.num_compute_wgs
 
+    def num_outputs(self, num_weights: int) -> int:
+        """Output tiles per tile: one epilogue result, or (split-K) one f32
+        partial per weight."""
+        return num_weights if self.split_k > 1 else 1
+
     def smem_bytes(self, num_weights: int, in_bytes: int, out_bytes: int) -> int:
         """Shared memory the kernel allocates (pipeline stages + epilogue tiles).
 
         in_bytes: SMEM bytes per input element over all its planes (2 for
-        bf16/f16, 4 for float32 = hi + lo bf16 planes); out_bytes: output itemsize.
+        bf16/f16, 4 for float32 = hi + lo bf16 planes); out_bytes: output
+        itemsize (4 with split_k > 1: f32 partials).
         """
         stage = (self.block_m * self.block_k
                  + num_weights * self.block_k * self.block_n) * in_bytes
-        return self.max_concurrent_steps * stage + self.block_m * self.block_n * out_bytes
+        out_tiles = self.num_outputs(num_weights) * self.block_m * self.block_n * out_bytes
+        return self.max_concurrent_steps * stage + out_tiles
 
 
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in shared memory per block
@@ -114,19 +138,37 @@ _SMEM_RESERVE = 1024  # barriers and alignment
 #   MMA work per byte loaded: fused 4 x 48 KiB + 32 KiB = 224 KiB (two
 #   64x128 f32 accumulators = 128 registers/thread per consumer); plain uses
 #   256-wide N (one 64x256 accumulator per consumer), 3 x 48 KiB + 64 KiB.
+# Between them, taller tiles keep a whole group in one item (its weights read
+# once per N-block): 2 consumers x 64 rows (the prefill tiles) and 3
+# consumers x 64 rows (4 warpgroups: <= 128 registers a thread, so fused
+# narrows N to 64: 5 x 40 KiB + 24 KiB; plain 3 x 40 KiB + 48 KiB).
+# Stage counts and widths are the ones ptxas compiles without spills
+# (e.g. plain 2 x 64 x 128 tiles spilled 8-56 bytes at 4-6 stages).
 FUSED_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=5)
 PLAIN_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=8)
 FUSED_PREFILL = TileConfig(num_compute_wgs=2, block_n=128, max_concurrent_steps=4)
 PLAIN_PREFILL = TileConfig(num_compute_wgs=2, block_n=256, max_concurrent_steps=3)
-PREFILL_ROWS_PER_GROUP = 128  # average rows per group at which prefill tiles win
+FUSED_TALL = TileConfig(num_compute_wgs=3, block_n=64, max_concurrent_steps=5)
+PLAIN_TALL = TileConfig(num_compute_wgs=3, block_n=128, max_concurrent_steps=3)
+# Routed groups (G > 1) are multinomial: a tile holds mean + ROUTING_SIGMAS x
+# sqrt(mean) rows, so a group rarely needs a second item.
+ROUTING_SIGMAS = 3.0
 
 
 def default_config(num_rows: int, num_groups: int, num_weights: int) -> TileConfig:
-    """Static tile choice from the average rows per group (M / G)."""
-    prefill = num_rows >= PREFILL_ROWS_PER_GROUP * num_groups
-    if num_weights == 2:
-        return FUSED_PREFILL if prefill else FUSED_DECODE
-    return PLAIN_PREFILL if prefill else PLAIN_DECODE
+    """Static tile choice from the rows per group: the shortest tile that holds
+    a group's rows (mean + ROUTING_SIGMAS sigma when G > 1), up to 192 rows;
+    larger groups get the prefill tiles."""
+    mean = num_rows / num_groups
+    rows = mean + (ROUTING_SIGMAS * math.sqrt(mean) if num_groups > 1 else 0.0)
+    fused = num_weights == 2
+    if rows <= 64:
+        return FUSED_DECODE if fused else PLAIN_DECODE
+    if rows <= 128:
+        return FUSED_PREFILL if fused else PLAIN_PREFILL
+    if rows <= 192 and num_groups > 1:
+        return FUSED_TALL if fused else PLAIN_TALL
+    return FUSED_PREFILL if fused else PLAIN_PREFILL
 
 
 def _fit_block(dim: int, preferred: int, minimum: int) -> int:
@@ -159,24 +201,39 @@ def _pad_axis(a: jax.Array, axis: int, size: int) -> jax.Array:
     return jnp.pad(a, widths)
 
 
+X_ROW_ALIGN = 8  # an x tile starts at a multiple of 8 rows (the SMEM tiling's rows)
+
+
 def num_work_items(num_rows: int, num_groups: int, block_m: int) -> int:
-    """Static upper bound W on (segment, M-block) intersections."""
-    return pl.cdiv(num_rows, block_m) + num_groups
+    """Static upper bound W on the work items of ``work_items_4W``: G + 1
+    segments, each <= X_ROW_ALIGN - 1 rows longer once its start is aligned."""
+    segments = num_groups + 1
+    return (num_rows + (X_ROW_ALIGN - 1) * segments) // block_m + segments
+
+
+def x_rows(num_rows: int, block_m: int) -> int:
+    """Rows of the x the kernel reads: >= one tile, a multiple of X_ROW_ALIGN."""
+    return _round_up(max(num_rows, block_m), X_ROW_ALIGN)
 
 
 def work_items_4W(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.Array:
-    """int32 [4, W] schedule: rows (group | -1 tail, m_block, row offset, row count).
+    """int32 [4, W] group-aligned schedule, one column per work item:
+    (group | -1 tail, x_row0, offset, count): the item's rows are
+    [x_row0 + offset, x_row0 + offset + count) and its x tile is rows
+    [x_row0, x_row0 + block_m) of x padded to x_rows(num_rows, block_m) rows.
 
     Segment s < G is group s's rows; segment G is the tail [sum(sizes), M).
-    Group ends are clamped to num_rows. Unused trailing items have count 0.
+    Group ends are clamped to num_rows. A segment's tiles start at its first
+    row rounded down to X_ROW_ALIGN (Mosaic's TMA needs x tiles at multiples
+    of 8 rows), every block_m rows. Unused trailing items have count 0.
     """
     num_groups = group_sizes_G.shape[0]
     ends_G = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)
     seg_end_S = jnp.concatenate([ends_G, jnp.array([num_rows], jnp.int32)])
     seg_start_S = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_end_S[:-1]])
-    first_block_S = seg_start_S // block_m
-    last_block_S = (seg_end_S - 1) // block_m
-    count_S = jnp.where(seg_end_S > seg_start_S, last_block_S - first_block_S + 1, 0)
+    tile0_S = seg_start_S // X_ROW_ALIGN * X_ROW_ALIGN
+    count_S = jnp.where(seg_end_S > seg_start_S,
+                        (seg_end_S - tile0_S + block_m - 1) // block_m, 0)
     item_end_S = jnp.cumsum(count_S)
     item_start_S = item_end_S - count_S
 
@@ -185,14 +242,48 @@ def work_items_4W(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.
     seg_W = jnp.searchsorted(item_end_S, w_W, side="right", method="compare_all").astype(jnp.int32)
     used_W = seg_W <= num_groups
     seg_W = jnp.minimum(seg_W, num_groups)
-    block_W = first_block_S[seg_W] + w_W - item_start_S[seg_W]
-    row_start_W = jnp.maximum(seg_start_S[seg_W], block_W * block_m)
-    row_end_W = jnp.minimum(seg_end_S[seg_W], (block_W + 1) * block_m)
-    group_W = jnp.where(seg_W < num_groups, seg_W, -1)
+    tile_start_W = tile0_S[seg_W] + (w_W - item_start_S[seg_W]) * block_m
+    row_start_W = jnp.maximum(seg_start_S[seg_W], tile_start_W)
+    row_end_W = jnp.minimum(seg_end_S[seg_W], tile_start_W + block_m)
     count_W = jnp.where(used_W, row_end_W - row_start_W, 0)
-    block_W = jnp.where(used_W, block_W, 0)
-    offset_W = jnp.where(used_W, row_start_W - block_W * block_m, 0)
-    return jnp.stack([group_W, block_W, offset_W, count_W]).astype(jnp.int32)
+    x_row0_W = jnp.where(used_W, jnp.minimum(tile_start_W,
+                                             x_rows(num_rows, block_m) - block_m), 0)
+    offset_W = jnp.where(used_W, row_start_W - x_row0_W, 0)
+    group_W = jnp.where(seg_W < num_groups, seg_W, -1)
+    return jnp.stack([group_W, x_row0_W, offset_W, count_W]).astype(jnp.int32)
+
+
+@contextlib.contextmanager
+def host_eval():
+    """Evaluate jax ops eagerly on the host CPU, also inside a jit trace and in
+    a deviceless compile (whose default device cannot run anything)."""
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices(backend="cpu")[0]):
+        yield
+
+
+def schedule(group_sizes_G, num_rows: int, block_m: int) -> jax.Array:
+    """The kernel's work-item table: work_items_4W on traced sizes (W columns,
+    the static bound), or, for concrete numpy sizes (the dense MLP), only the
+    used items (so the persistent loop has no idle tiles to spread)."""
+    if not isinstance(group_sizes_G, np.ndarray):
+        return work_items_4W(group_sizes_G, num_rows, block_m)
+    with host_eval():
+        meta = np.asarray(work_items_4W(jnp.asarray(group_sizes_G, jnp.int32), num_rows, block_m))
+    return jnp.asarray(meta[:, :max(int(np.count_nonzero(meta[3])), 1)])
+
+
+def active_warpgroups(offset, count, cfg: TileConfig):
+    """Consumer warpgroups of a tile that hold some of rows [offset, offset +
+    count) (the ones that issue WGMMAs); works on ints and arrays."""
+    return sum(((offset < (w + 1) * cfg.wg_block_m) & (offset + count > w * cfg.wg_block_m)
+                & (count > 0)) * 1 for w in range(cfg.num_compute_wgs))
+
+
+def k_range(split, num_k_steps: int, split_k: int):
+    """(first K step, number of K steps) of K range ``split`` of ``split_k``
+    near-equal ranges (ints or traced scalars)."""
+    first = split * num_k_steps // split_k
+    return first, (split + 1) * num_k_steps // split_k - first
 
 
 def _store_rows(o_smem, o_gmem, *, row0, offset, count, col0, block_n: int, max_rows: int):
@@ -213,18 +304,28 @@ def _store_rows(o_smem, o_gmem, *, row0, offset, count, col0, block_n: int, max_
         rows //= 2
 
 
+def _memory_registers(num_compute_wgs: int) -> int:
+    """Registers per thread of the TMA producer warpgroup (setmaxnreg); the
+    consumers share the rest of 512 (jax's _compute_registers). Measured with
+    ptxas for sm_90a: at 40, one-consumer tiles spilled 8-112 bytes (split-K,
+    plain 128-wide); one consumer needs <= 256, so the producer gets 240 there.
+    With 2 or 3 consumers, 80 made the fused prefill tile spill: 40 stays."""
+    return 240 if num_compute_wgs == 1 else 40
+
+
 def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, planes: int,
-              num_k_steps: int):
+              num_k_steps, first_k_step=0):
     """Warp-specialized K pipeline over one tile: ``planes`` x [block_m, K] planes
     and num_w x ``planes`` weight planes [K, block_n] stream through SMEM (TMA,
-    producer warpgroup). Operand order: x planes, then each weight's planes."""
+    producer warpgroup), K steps [first_k_step, first_k_step + num_k_steps)
+    (traced with split-K). Operand order: x planes, then each weight's planes."""
     # delay_release stays 0: with 1, the last step of a tile never arrives on
     # its "consumed" barrier, so the producer could refill that slot for the
     # next tile of this persistent loop while its WGMMA still reads it.
-    x_spec = plgpu.BlockSpec((cfg.block_m, cfg.block_k), lambda k: (0, k))
-    w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_n), lambda k: (k, 0))
+    x_spec = plgpu.BlockSpec((cfg.block_m, cfg.block_k), lambda k: (0, k + first_k_step))
+    w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_n), lambda k: (k + first_k_step, 0))
     return plgpu.emit_pipeline_warp_specialized(
-        step_fn, grid=(num_k_steps,), memory_registers=40,
+        step_fn, grid=(num_k_steps,), memory_registers=_memory_registers(cfg.num_compute_wgs),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
@@ -237,58 +338,81 @@ _PRODUCTS = {1: ((0, 0),), 2: ((1, 0), (0, 1), (0, 0))}
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, num_rows: int,
                num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, o_MN) for num_w weights
+    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, *o_MNs) for num_w weights
     of ``planes`` planes each (1: bf16/f16; 2: hi/lo bf16 split of float32).
 
-    Every warpgroup walks the same (work item, N-block) sequence, so the
-    producer and the consumers always agree on which tiles run a pipeline.
+    epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
+    split_k = S (one group), the outputs are f32 partials [S * X, N], X =
+    x_rows(M, block_m): K range s writes whole 64-row slices at rows s * X +
+    tile row (rows past the group's end hold garbage; the caller masks them).
+    Every warpgroup walks the same (K range, work item, N-block) sequence, so
+    the producer and the consumers always agree on which tiles run a pipeline.
     """
     wg_m = cfg.wg_block_m
-    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes,
-                                     num_k_steps=num_k_steps)
+    split_k = cfg.split_k
+    x_rows_pad = x_rows(num_rows, cfg.block_m)
+    num_out = cfg.num_outputs(num_w)
+    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes)
     products = _PRODUCTS[planes]
 
     def body(meta_gmem, *refs):
-        x_gmems, w_gmems, o_gmem = refs[:planes], refs[planes:-1], refs[-1]
+        x_gmems, w_gmems = refs[:planes], refs[planes:planes + num_w * planes]
+        o_gmems = refs[planes + num_w * planes:]
         num_items = meta_gmem.shape[1]
         def ignore(*_, **__):
             return None
-        allocs = pipeline_for(ignore, ignore).get_allocations(*x_gmems,
-                                                              *[w.at[0] for w in w_gmems])
+        allocs = pipeline_for(ignore, ignore, num_k_steps=num_k_steps).get_allocations(
+            *x_gmems, *[w.at[0] for w in w_gmems])
 
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
+                           o_smem=plgpu.SMEM((num_out * cfg.num_compute_wgs, wg_m, cfg.block_n),
+                                             out_dtype),
                            collective_axes="wg")
         def _scope(allocs, o_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
-            @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
+            # Static shapes only: a traced item count in the snake's divisions
+            # made ptxas spill (16-40 bytes) in the fused tiles.
+            @plgpu.nd_loop((split_k * num_items * num_n_blocks,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
+                split, lin = jnp.divmod(info.index[0], num_items * num_n_blocks)
                 item, n_block = plgpu.planar_snake(
-                    info.index[0], (num_items, num_n_blocks), 1, cfg.grid_block_n)
+                    lin, (num_items, num_n_blocks), 1, cfg.grid_block_n)
                 group = meta_gmem[0, item]
-                m_block = meta_gmem[1, item]
+                x_row0 = meta_gmem[1, item]
                 offset = meta_gmem[2, item]
                 count = meta_gmem[3, item]
                 # This consumer's share of the item's rows [offset, offset + count).
                 lo = jnp.clip(offset - wg * wg_m, 0, wg_m)
                 hi = jnp.clip(offset + count - wg * wg_m, 0, wg_m)
 
-                def store(tile):
+                def store(tiles):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
-                    o_smem[wg] = tile
+                    for o, tile in enumerate(tiles):
+                        o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
                     plgpu.commit_smem()
-                    _store_rows(o_smem.at[wg], o_gmem, row0=m_block * cfg.block_m + wg * wg_m,
-                                offset=lo, count=hi - lo, col0=n_block * cfg.block_n,
-                                block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
+                    for o, o_gmem in enumerate(o_gmems):
+                        if split_k > 1:  # whole 64-row slices into the padded partials
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[o * cfg.num_compute_wgs + wg],
+                                o_gmem.at[pl.ds(split * x_rows_pad + x_row0 + wg * wg_m, wg_m),
+                                          pl.ds(n_block * cfg.block_n, cfg.block_n)])
+                            continue
+                        _store_rows(o_smem.at[o * cfg.num_compute_wgs + wg], o_gmem,
+                                    row0=x_row0 + wg * wg_m, offset=lo,
+                                    count=hi - lo, col0=n_block * cfg.block_n,
+                                    block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
 
                 def mma(_, *rest):
                     smems, accs = rest[:-1], rest[-1]
                     x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
-                    for i, acc in enumerate(accs):
-                        w_smems = smems[planes + i * planes:planes + (i + 1) * planes]
-                        for xp, wp in products:
-                            plgpu.wgmma(acc, x_smems[xp], w_smems[wp])
+
+                    @pl.when(hi > lo)  # no WGMMA for a consumer without rows
+                    def _issue():
+                        for i, acc in enumerate(accs):
+                            w_smems = smems[planes + i * planes:planes + (i + 1) * planes]
+                            for xp, wp in products:
+                                plgpu.wgmma(acc, x_smems[xp], w_smems[wp])
                     # The slot is released when this step returns (delay_release=0),
                     # so its WGMMAs must be done reading it; the other consumer
                     # warpgroup's WGMMAs keep the tensor cores busy meanwhile.
@@ -301,20 +425,27 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                     @functools.partial(pl.run_scoped, accs=accs)
                     def _acc_scope(accs):
                         run_pipeline(tuple(accs))
-                        store(epilogue(*[acc[...] for acc in accs]).astype(out_dtype))
+                        store(epilogue(*[acc[...] for acc in accs]))
 
-                @pl.when((count > 0) & (group >= 0))
-                def _matmul():
-                    rows = pl.ds(m_block * cfg.block_m, cfg.block_m)
-                    cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
-                    pipeline_for(mma, compute_context)(
-                        *[x.at[rows, :] for x in x_gmems],
-                        *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
-                        allocations=allocs)
+                first, steps = k_range(split, num_k_steps, split_k)
+                # K ranges have one of <= 2 static lengths: one pipeline each
+                # (a static trip count; a traced one costs registers and spills).
+                for length in sorted({k_range(s, num_k_steps, split_k)[1]
+                                      for s in range(split_k)}):
+                    @pl.when((count > 0) & (group >= 0) & (steps == length))
+                    def _matmul(length=length):
+                        rows = pl.ds(pl.multiple_of(x_row0, X_ROW_ALIGN), cfg.block_m)
+                        cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
+                        pipeline_for(mma, compute_context, num_k_steps=length,
+                                     first_k_step=first)(
+                            *[x.at[rows, :] for x in x_gmems],
+                            *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                            allocations=allocs)
 
-                @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
-                def _zeros():  # tail rows past sum(group_sizes): no matmul
-                    store(jnp.zeros((wg_m, cfg.block_n), out_dtype))
+                if split_k == 1:  # (split-K: the caller masks the tail rows)
+                    @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
+                    def _zeros():  # tail rows past sum(group_sizes): no matmul
+                        store([jnp.zeros((wg_m, cfg.block_n), out_dtype)] * num_out)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -385,17 +516,41 @@ def _to_planes(a: jax.Array, compute_dtype, planes: int) -> list[jax.Array]:
     return list(split_bf16(a))
 
 
-def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
-    """Shared launcher: fit blocks to the shapes, pad if needed, build metadata, run."""
-    m, k = x_MK.shape
-    num_groups, _, n = w_GKNs[0].shape
-    out_dtype = x_MK.dtype
-    in_dtype = jnp.result_type(x_MK, *w_GKNs)
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """The static shape of one launch: the fitted tiles and padded sizes.
+
+    cfg: the TileConfig after fitting block_k / block_n to K / N and the SMEM
+    limit; planes: bf16 planes per input element (1 or 2, see num_planes).
+    """
+
+    cfg: TileConfig
+    planes: int
+    m_pad: int
+    k_pad: int
+    n_pad: int
+
+    @property
+    def num_k_steps(self) -> int:
+        return self.k_pad // self.cfg.block_k
+
+    @property
+    def num_n_blocks(self) -> int:
+        return self.n_pad // self.cfg.block_n
+
+
+def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dtype,
+                out_dtype, cfg: TileConfig | None = None) -> LaunchPlan:
+    """Fit the tiles of a [m, k] x num_weights x [G, k, n] launch (what the
+    launcher runs; pallas_kernels/cost_model.py replays it).
+
+    With cfg.split_k > 1 the kernel writes f32 partials (out_dtype is then
+    ignored for the kernel's own output) and every K range needs at least
+    max_concurrent_steps K steps (ValueError otherwise).
+    """
     planes = num_planes(in_dtype)
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    if m == 0 or n == 0:
-        return jnp.zeros((m, n), out_dtype)
-    cfg = cfg or default_config(m, num_groups, len(w_GKNs))
+    cfg = cfg or default_config(m, num_groups, num_weights)
+    out_bytes = 4 if cfg.split_k > 1 else jnp.dtype(out_dtype).itemsize
     # block_k >= 16: the bf16 WGMMA K step. block_n: output tile rows of >= 128
     # bytes keep every row-offset TMA store from SMEM 128-byte aligned.
     block_k = (_fit_block(k, cfg.block_k, _MIN_BLOCK)
@@ -403,24 +558,57 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
     min_n = max(_MIN_BLOCK, 128 // out_bytes)
     block_n = _fit_block(n, cfg.block_n, min_n) or _padded_block(n, cfg.block_n, min_n)
     cfg = dataclasses.replace(cfg, block_k=block_k, block_n=block_n)
-    cfg = fit_smem(cfg, len(w_GKNs), 2 * planes, out_bytes, min_n)
-    block_n = cfg.block_n
-    k_pad, n_pad, m_pad = _round_up(k, block_k), _round_up(n, block_n), _round_up(m, cfg.block_m)
+    cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes, min_n)
+    launch = LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m),
+                        k_pad=_round_up(k, block_k), n_pad=_round_up(n, cfg.block_n))
+    if cfg.split_k > 1 and num_groups != 1:
+        raise ValueError(f"split_k={cfg.split_k} needs one group (the dense MLP), got {num_groups}")
+    if cfg.split_k > 1 and launch.num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
+        raise ValueError(
+            f"split_k={cfg.split_k} leaves K ranges of {launch.num_k_steps // cfg.split_k} "
+            f"K steps, fewer than the {cfg.max_concurrent_steps} pipeline stages")
+    return launch
 
-    # x rows are padded so every M-block read is in bounds; K/N are padded only
-    # when no allowed power-of-two block divides them (never for K3 shapes).
+
+def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
+    """Shared launcher: fit blocks to the shapes, pad if needed, build metadata, run.
+
+    epilogue(*f32 products) -> [M, N] f32; applied in the kernel, or (split-K)
+    by XLA after summing the kernel's f32 partials.
+    """
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKNs[0].shape
+    num_w = len(w_GKNs)
+    out_dtype = x_MK.dtype
+    in_dtype = jnp.result_type(x_MK, *w_GKNs)
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    launch = plan_launch(m, k, n, num_groups, num_w, in_dtype, out_dtype, cfg)
+    cfg, planes = launch.cfg, launch.planes
+    k_pad, n_pad, m_pad = launch.k_pad, launch.n_pad, launch.m_pad
+    split_k = cfg.split_k
+
+    # x gets rows only when it has fewer than one tile or M is not a multiple
+    # of 8 (every x tile is block_m rows inside x); K/N are padded only when no allowed power-of-two
+    # block divides them (never for K3 shapes).
     x_planes = _to_planes(_pad_axis(_pad_axis(x_MK, 0, m_pad), 1, k_pad), in_dtype, planes)
     w_planes = [p for w in w_GKNs
                 for p in _to_planes(_pad_axis(_pad_axis(w, 1, k_pad), 2, n_pad), in_dtype, planes)]
-    meta_4W = work_items_4W(group_sizes_G, m, cfg.block_m)
+    meta_4W = schedule(group_sizes_G, m, cfg.block_m)
 
-    body = _make_body(epilogue=epilogue, num_w=len(w_GKNs), planes=planes, cfg=cfg, num_rows=m,
-                      num_k_steps=k_pad // block_k, num_n_blocks=n_pad // block_n,
-                      out_dtype=out_dtype)
+    if split_k > 1:
+        kernel_epilogue, kernel_dtype = (lambda *accs: accs), jnp.float32
+        out_type = [jax.ShapeDtypeStruct((split_k * m_pad, n_pad), jnp.float32)] * num_w
+    else:
+        kernel_epilogue, kernel_dtype = (lambda *accs: (epilogue(*accs),)), out_dtype
+        out_type = jax.ShapeDtypeStruct((m, n_pad), out_dtype)
+    body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg, num_rows=m,
+                      num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,
+                      out_dtype=kernel_dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n_pad), out_dtype),
-        grid=(_num_sms(interpret),),
+        out_type=out_type,
+        grid=(cfg.num_ctas or _num_sms(interpret),),
         grid_names=("sm",),
         num_threads=cfg.num_compute_wgs + 1,
         thread_name="wg",
@@ -430,7 +618,13 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )
-    y_MN = kernel(meta_4W, *x_planes, *w_planes)
+    if split_k > 1:  # sum the K ranges' f32 partials, then the epilogue (fused by XLA)
+        partials = kernel(meta_4W, *x_planes, *w_planes)
+        y_MN = epilogue(*[p.reshape(split_k, m_pad, n_pad)[:, :m].sum(axis=0) for p in partials])
+        valid_M1 = (jnp.arange(m) < jnp.sum(group_sizes_G))[:, None]
+        y_MN = jnp.where(valid_M1, y_MN, 0).astype(out_dtype)
+    else:
+        y_MN = kernel(meta_4W, *x_planes, *w_planes)
     return y_MN if n_pad == n else y_MN[:, :n]
 
 

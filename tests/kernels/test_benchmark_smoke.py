@@ -142,6 +142,27 @@ def test_keep_going_records_the_wrong_kernel_as_an_error_row(tmp_path, monkeypat
     assert "| down | 4 | 4 | 24 | 48 | ERROR down ep=4 tokens=24" in out_md.read_text()
 
 
+def test_model_only_writes_every_row_of_the_sweep_without_a_gpu(tmp_path):
+    """--model-only: the cost model's fields for each row (a K3-shape subset)."""
+    out = tmp_path / "model.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, _SCRIPT, "--model-only", "--ep", "32", "--tokens", "16",
+                           "--tp", "8", "--mlp-tokens", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=_REPO,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    model = json.loads(out.read_text())
+    rows = model["grouped"] + model["mlp"]
+    assert [(r["op"], r["ep"], r["tp"], r["tokens"]) for r in rows] == [
+        ("gate_up_situ", 32, None, 16), ("down", 32, None, 16), ("situ_mlp_up", None, 8, 8)]
+    fields = {"op", "ep", "tp", "tokens", "tiles", "sm_fill", "weight_reads_per_active_expert",
+              "x_bytes_over_weight_bytes", "rows_computed_per_useful_row", "predicted_us"}
+    for r in rows:
+        assert fields <= set(r) and r["predicted_us"] > 0 and 0 < r["sm_fill"] <= 1, r
+    assert all(r["weight_reads_per_active_expert"] <= 1.05 for r in model["grouped"])
+    assert model["mlp"][0]["config"]["split_k"] > 1 and model["mlp"][0]["sm_fill"] >= 0.9
+
+
 def test_benchmark_help(capsys):
     gpu_kernels = _import_script()
     with pytest.raises(SystemExit) as exit_info:
@@ -161,5 +182,6 @@ def test_device_run_script_records_the_environment_and_refuses_a_cpu(tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     env_txt = (tmp_path / "env.txt").read_text()
     assert f"jax {jax.__version__}" in env_txt and "devices [Cpu" in env_txt
+    assert "the full benchmark needs a GPU" in (tmp_path / "headline.log").read_text()
     assert "needs a GPU" in (tmp_path / "checks.log").read_text()       # step 2: checks
     assert "the full benchmark needs a GPU" in (tmp_path / "gpu.log").read_text()  # step 3

@@ -40,6 +40,7 @@ PLAIN_CASES = [
     (300, 32, 64, 2, "sum_lt_m", BF16, True),
 ]
 FUSED_CASES = [
+    (300, 64, 64, 3, "sum_lt_m", BF16, True),  # 100 rows a group: 3-consumer tall tiles
     (100, 112, 96, 4, "zeros_skewed", BF16, False),  # K = 7 x 16: block_k falls to 16
     (100, 112, 96, 4, "sum_lt_m", BF16, True),
     (100, 112, 96, 4, "sum_lt_m", F32, True),  # bf16x3 split, NaN tail rows
@@ -91,8 +92,8 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
 # block_k): the fused tile to block_n 64 / 3 stages, the plain one to block_n 128
 # / 2 stages. Sum < M with NaN tail rows; N = 128 spans two fused N-blocks.
 F32_PREFILL_CASES = {
-    "fused": ((300, 64, 128, 2, "sum_lt_m", F32, True), (64, 3)),
-    "plain": ((300, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
+    "fused": ((400, 64, 128, 2, "sum_lt_m", F32, True), (64, 3)),
+    "plain": ((400, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
 }
 
 
@@ -130,8 +131,8 @@ def test_interpret_race_detector_finds_no_races():
     also covers linear_beta=None, a non-default beta and NaN rows past the sum."""
     # A private module: imported plainly so that a JAX upgrade moving it FAILS here.
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as races_mod
-    x, (wg, wu), sizes = _inputs((300, 96, 64, 2, "sum_lt_m", BF16, True), 2)
-    assert mosaic_sm90.default_config(300, 2, 2) == mosaic_sm90.FUSED_PREFILL
+    x, (wg, wu), sizes = _inputs((400, 96, 64, 2, "sum_lt_m", BF16, True), 2)
+    assert mosaic_sm90.default_config(400, 2, 2) == mosaic_sm90.FUSED_PREFILL
     params = plgpu.InterpretGPUParams(detect_races=True)
     out = mosaic_sm90.grouped_situ_glu(x, wg, wu, jnp.asarray(sizes), beta=2.0,
                                        linear_beta=None, interpret=params)
@@ -200,11 +201,15 @@ def test_reference_matches_float64_numpy_loop(pattern):
                              pattern)
 
 
-@pytest.mark.parametrize("block_m", [8, 64])
+@pytest.mark.parametrize("block_m", [8, 64, 128])
 def test_work_items_cover_every_row_exactly_once(block_m):
+    """Every row is in exactly one item, of its own group (or -1 past the sum);
+    items never mix groups; x tiles start at multiples of 8 inside x; a group
+    of <= block_m - 7 rows is one item (its weights read once per N-block)."""
     rng = np.random.default_rng(block_m)
     for m, g in [(1, 1), (63, 5), (64, 3), (65, 11), (300, 7)]:
         table = jax.jit(functools.partial(mosaic_sm90.work_items_4W, num_rows=m, block_m=block_m))
+        x_rows = mosaic_sm90.x_rows(m, block_m)
         for trial in range(8):
             cuts = np.sort(rng.integers(0, m + 1, size=g))  # sum(sizes) = cuts[-1] <= m
             if trial == 0:
@@ -213,14 +218,21 @@ def test_work_items_cover_every_row_exactly_once(block_m):
             meta = np.asarray(table(jnp.asarray(sizes)))
             assert meta.shape == (4, mosaic_sm90.num_work_items(m, g, block_m))
             owner = np.full(m, -2)
-            for group, block, offset, count in meta.T:
-                assert 0 <= count <= block_m and offset + count <= block_m
-                rows = block * block_m + offset + np.arange(count)
+            items_of = np.zeros(g + 1, int)
+            for group, x_row0, offset, count in meta.T:
+                assert 0 <= count and offset + count <= block_m
+                if count == 0:
+                    continue
+                assert x_row0 % 8 == 0 and 0 <= x_row0 <= x_rows - block_m
+                rows = x_row0 + offset + np.arange(count)
                 assert (owner[rows] == -2).all(), (sizes, "row covered twice")
                 owner[rows] = group
+                items_of[group] += 1
             expected = np.concatenate([np.repeat(np.arange(g), sizes),
                                        np.full(m - sizes.sum(), -1)])
             np.testing.assert_array_equal(owner, expected, err_msg=str(sizes))
+            small = (sizes > 0) & (sizes <= block_m - 7)
+            assert (items_of[:g][small] == 1).all(), (sizes, items_of)
 
 
 # K3 local experts at EP 8 / 32 (112 / 28): decode tiles (M / G < 128) at EP 8,
@@ -244,7 +256,8 @@ def test_lowers_for_sm90_at_k3_shapes(num_groups, m, dtype):
 def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
     limit = mosaic_sm90.SMEM_LIMIT
     for cfg, num_w in [(mosaic_sm90.FUSED_DECODE, 2), (mosaic_sm90.FUSED_PREFILL, 2),
-                       (mosaic_sm90.PLAIN_DECODE, 1), (mosaic_sm90.PLAIN_PREFILL, 1)]:
+                       (mosaic_sm90.PLAIN_DECODE, 1), (mosaic_sm90.PLAIN_PREFILL, 1),
+                       (mosaic_sm90.FUSED_TALL, 2), (mosaic_sm90.PLAIN_TALL, 1)]:
         assert cfg.smem_bytes(num_w, 2, 2) <= limit, cfg
         assert mosaic_sm90.fit_smem(cfg, num_w, 2, 2) == cfg  # bf16 tiles are used as is
         # float32: two bf16 planes (4 B/element) and f32 output tiles still fit
@@ -254,9 +267,13 @@ def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
     # Two f32 stages of the fused prefill tile overflow: N narrows to 64 instead.
     f32_prefill = mosaic_sm90.fit_smem(mosaic_sm90.FUSED_PREFILL, 2, 4, 4, min_block_n=32)
     assert (f32_prefill.block_n, f32_prefill.max_concurrent_steps) == (64, 3)
-    assert mosaic_sm90.default_config(256, 112, 2) == mosaic_sm90.FUSED_DECODE
-    assert mosaic_sm90.default_config(128 * 112, 112, 2) == mosaic_sm90.FUSED_PREFILL
-    assert mosaic_sm90.default_config(4096, 28, 1) == mosaic_sm90.PLAIN_PREFILL
+    # The shortest tile that holds a routed group's mean + 3 sigma rows.
+    assert mosaic_sm90.default_config(256, 112, 2) == mosaic_sm90.FUSED_DECODE  # 2.3 rows
+    assert mosaic_sm90.default_config(4096, 56, 1) == mosaic_sm90.PLAIN_PREFILL  # 73 -> 99
+    assert mosaic_sm90.default_config(4096, 28, 2) == mosaic_sm90.FUSED_TALL  # 146 -> 183
+    assert mosaic_sm90.default_config(4096, 28, 1) == mosaic_sm90.PLAIN_TALL
+    assert mosaic_sm90.default_config(256 * 112, 112, 2) == mosaic_sm90.FUSED_PREFILL
+    assert mosaic_sm90.default_config(128, 1, 2) == mosaic_sm90.FUSED_PREFILL  # one group: exact
     # Mosaic's own SMEM check agrees with smem_bytes: one stage too many fails to
     # lower (bf16), and so do the unshrunk prefill tiles with float32 planes.
     too_deep = dataclasses.replace(mosaic_sm90.FUSED_PREFILL, max_concurrent_steps=5)

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 from pallas_kernels import resolve_backend, situ_mlp_up
+from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
 from pallas_kernels.situ_mlp import mosaic_sm90, reference
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -39,6 +40,32 @@ def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
     assert out.shape == (t, f) and out.dtype == dtype
     ref = reference.situ_mlp_up(kc.f32(x), kc.f32(gate), kc.f32(up), **SITU)
     kc.assert_close(out, ref, kc.kernel_tol(dtype), f"interpret {t}x{d}x{f}")
+
+
+# Split-K (f32 partials summed by XLA, SiTU after the sum): 16 K steps in 3
+# ranges of 5 / 5 / 6 steps (two pipeline lengths), rows past one tile.
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_split_k_interpret_matches_reference(dtype):
+    t, d, f = 72, 1024, 128
+    x, gate, up = _inputs(7, t, d, f, dtype)
+    cfg = grouped.TileConfig(block_n=64, max_concurrent_steps=2, split_k=3)
+    out = jax.jit(lambda a, b, c: mosaic_sm90.situ_mlp_up(a, b, c, config=cfg, interpret=True,
+                                                          **SITU))(x, gate, up)
+    assert out.shape == (t, f) and out.dtype == dtype
+    ref = reference.situ_mlp_up(kc.f32(x), kc.f32(gate), kc.f32(up), **SITU)
+    assert kc.rel_err(out, ref) <= kc.kernel_tol(dtype)
+
+
+def test_split_k_needs_one_group_and_enough_k_steps():
+    x = jax.ShapeDtypeStruct((64, 256), BF16)
+    w = jax.ShapeDtypeStruct((2, 256, 128), BF16)
+    cfg = grouped.TileConfig(split_k=2, max_concurrent_steps=2)
+    with pytest.raises(ValueError, match="one group"):
+        jax.eval_shape(lambda a, b, s: grouped.grouped_matmul(a, b, s, config=cfg, interpret=True),
+                       x, w, jax.ShapeDtypeStruct((2,), jnp.int32))
+    with pytest.raises(ValueError, match="fewer than the 4 pipeline stages"):
+        grouped.plan_launch(64, 256, 128, 1, 1, BF16, BF16,
+                            grouped.TileConfig(split_k=2, max_concurrent_steps=4))
 
 
 def test_reference_matches_float64_numpy():

@@ -1,0 +1,231 @@
+"""Static cost model of the Mosaic GPU grouped kernel on an H200 (no GPU needed).
+
+It replays the kernel's own schedule on concrete group sizes: the launch plan
+(``mosaic_sm90.plan_launch``: fitted tiles, split-K), the work-item table
+(``mosaic_sm90.work_items_4W``), the snake order (``plgpu.planar_snake``) and
+the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
+
+  * tiles and SM fill: sum of the tiles' times / (num_sms x the busiest CTA's);
+  * bytes the tiles load into SMEM (weights, x) and store (output, split-K
+    partials); of these, HBM serves a group's weights once per N-block (its
+    first item; later items re-read them from L2), x once (re-reads by other
+    N-blocks hit L2) and every store: an assumption (50 MB L2), not measured;
+  * weight reads per active expert: matmul work items per non-empty group
+    (each item streams its group's weights once per N-block);
+  * matmul rows computed per useful row: 64-row WGMMA slices issued / valid rows;
+  * a roofline time: each tile takes max(flops / (F / num_sms),
+    HBM bytes / (B / num_sms)) + TILE_OVERHEAD_S, a CTA's tiles run back to back,
+    the launch takes the busiest CTA's time, plus the split-K reduction (read
+    the f32 partials, write the output) at copy bandwidth.
+
+F = DENSE_BF16_FLOPS and B = COPY_BYTES_PER_S are this project's H200
+measurements (SPEC section 7). The per-SM bandwidth share assumes every SM
+streams at B / num_sms: a launch that leaves SMs idle is charged for it,
+which is the point of the SM-fill figure. These are predictions, not
+measurements; benchmarks/gpu_kernels.py puts measured next to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul import mosaic_sm90
+
+H200_NUM_SMS = 132
+DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
+COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project's H200
+# Per tile: the first TMA loads' HBM latency plus the pipeline drain before
+# the next tile's loads start (an assumption, ~1 HBM round trip + issue).
+TILE_OVERHEAD_S = 0.7e-6
+WG_ROWS = 64  # WGMMA M of one warpgroup
+SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """The model's figures for one launch (bytes are per launch, per device)."""
+
+    tiles: int  # (work item, N-block, K-split) tiles that run a matmul or store zeros
+    sm_fill: float  # sum of tile times / (num_sms x busiest CTA's time)
+    weight_bytes: float  # weight tiles loaded (all planes)
+    x_bytes: float  # x tiles loaded (all planes)
+    out_bytes: float  # output (or f32 partial) rows stored, plus the split-K reduction
+    weight_reads_per_active_expert: float
+    rows_computed_per_useful_row: float
+    flops: float  # WGMMA flops issued (incl. wasted rows, 3 products per f32 K step)
+    predicted_us: float
+    config: dict  # the fitted TileConfig and split-K of the launch
+
+    @property
+    def x_bytes_over_weight_bytes(self) -> float:
+        return self.x_bytes / self.weight_bytes if self.weight_bytes else 0.0
+
+    def fields(self) -> dict:
+        """The JSON fields of ``--model-only`` rows."""
+        return {"tiles": self.tiles, "sm_fill": round(self.sm_fill, 4),
+                "weight_reads_per_active_expert": round(self.weight_reads_per_active_expert, 4),
+                "x_bytes_over_weight_bytes": round(self.x_bytes_over_weight_bytes, 4),
+                "rows_computed_per_useful_row": round(self.rows_computed_per_useful_row, 4),
+                "predicted_us": round(self.predicted_us, 2),
+                "hbm_bytes": {"weights": self.weight_bytes, "x": self.x_bytes,
+                              "out": self.out_bytes},
+                "flops_issued": self.flops, "config": self.config}
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_order(num_items: int, num_n_blocks: int, grid_block_n: int) -> np.ndarray:
+    """item of each linear tile index, as the kernel's planar_snake maps it."""
+    lin = jnp.arange(num_items * num_n_blocks, dtype=jnp.int32)
+    snake = jax.jit(jax.vmap(lambda i: plgpu.planar_snake(i, (num_items, num_n_blocks), 1,
+                                                          grid_block_n)[0]))
+    return np.asarray(snake(lin))
+
+
+# The kernel's schedule function, compiled once per (num_rows, block_m).
+_schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
+
+
+def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
+               active_sms: int | None = None) -> float:
+    """max(compute, memory) time on ``active_sms`` of num_sms SMs."""
+    share = (active_sms or num_sms) / num_sms
+    return max(flops / (DENSE_BF16_FLOPS * share), nbytes / (COPY_BYTES_PER_S * share))
+
+
+def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                 dtype=jnp.bfloat16, config: mosaic_sm90.TileConfig | None = None,
+                 num_sms: int = H200_NUM_SMS, static_sizes: bool = False) -> KernelCost:
+    """Model one grouped launch: x [m, k] (rows sorted by group) times
+    num_weights weights [G, k, n] with the concrete ``group_sizes_G``, passed
+    to the kernel traced (its table has the static bound's W columns) or,
+    static_sizes=True, as numpy (the dense MLP: only the used items)."""
+    sizes = np.asarray(group_sizes_G, np.int64)
+    launch = mosaic_sm90.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    cfg = launch.cfg
+    planes = launch.planes
+    in_bytes = 2 * planes
+    split_k = cfg.split_k
+    out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
+    num_out = cfg.num_outputs(num_weights)
+    with mosaic_sm90.host_eval():
+        if static_sizes:
+            meta = np.asarray(mosaic_sm90.schedule(sizes.astype(np.int32), m, cfg.block_m))
+        else:
+            meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
+    group_W, offset_W, count_W = meta[0], meta[2], meta[3]
+    num_items = meta.shape[1]
+    n_blocks = launch.num_n_blocks
+
+    # Per (K range, item): the consumers that issue WGMMAs, the K steps, the bytes.
+    matmul_W = (count_W > 0) & (group_W >= 0)
+    wgs_W = np.where(matmul_W, mosaic_sm90.active_warpgroups(offset_W, count_W, cfg), 0)
+    steps_S = np.array([mosaic_sm90.k_range(s, launch.num_k_steps, split_k)[1]
+                        for s in range(split_k)])
+    products = 1 if planes == 1 else 3
+    flops_SW = (steps_S[:, None] * wgs_W * WG_ROWS * cfg.block_n * cfg.block_k * 2
+                * num_weights * products)
+    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_m * cfg.block_k * in_bytes, 0)
+    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n
+                                       * in_bytes, 0)
+    # Stores: the item's rows; split-K partials: every consumer's whole 64-row slice.
+    stored_W = (np.where(count_W > 0, cfg.block_m, 0) if split_k > 1 else count_W)
+    o_SW = np.broadcast_to(stored_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
+    # HBM traffic of a tile: its weights when it is its group's first item
+    # (later items of the group re-read them from L2), its share of x (read
+    # from HBM once; the other N-blocks' re-reads hit L2) and its stores.
+    first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
+    hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
+    per_sm_flops = DENSE_BF16_FLOPS / num_sms
+    per_sm_bw = COPY_BYTES_PER_S / num_sms
+    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops, hbm_SW / per_sm_bw)
+                       + TILE_OVERHEAD_S, 0.0)
+
+    # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
+    with mosaic_sm90.host_eval():
+        item_T = np.tile(_tile_order(num_items, n_blocks, cfg.grid_block_n), split_k)
+    split_T = np.repeat(np.arange(split_k), num_items * n_blocks)
+    time_T = time_SW[split_T, item_T]
+    cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
+    busiest = float(cta_time.max())
+    # Split-K: XLA reads the f32 partials and writes the output (one fusion).
+    reduce_bytes = (split_k * min(m, launch.m_pad) * launch.n_pad * 4 * num_weights
+                    + m * launch.n_pad * jnp.dtype(dtype).itemsize) if split_k > 1 else 0
+    useful_rows = int(min(sizes.sum(), m))
+    active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
+    return KernelCost(
+        tiles=int(np.count_nonzero(count_W)) * n_blocks * split_k,
+        sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
+        out_bytes=float(o_SW.sum() * n_blocks + reduce_bytes),
+        weight_reads_per_active_expert=float(np.count_nonzero(matmul_W) / active) if active else 0.0,
+        rows_computed_per_useful_row=(float(wgs_W.sum() * WG_ROWS / useful_rows)
+                                      if useful_rows else 0.0),
+        flops=float(flops_SW.sum() * n_blocks),
+        predicted_us=(busiest + reduce_bytes / COPY_BYTES_PER_S) * 1e6,
+        config={**dataclasses.asdict(cfg), "planes": planes})
+
+
+def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+             config: mosaic_sm90.TileConfig | None = None,
+             num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row);
+    config=None: the tiles situ_mlp_up picks (best_mlp_config)."""
+    config = config or best_mlp_config(tokens, d, f, dtype=dtype, num_sms=num_sms)
+    return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms,
+                        static_sizes=True)
+
+
+def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+                    num_sms: int = H200_NUM_SMS) -> mosaic_sm90.TileConfig:
+    """The tiles situ_mlp_up launches: default_config's tile for G = 1 (at its
+    block_n or half of it), or split-K S >= 2 on one-consumer tiles (FUSED_DECODE at its block_n or half:
+    the two-consumer tiles spill registers with split-K), whichever this model
+    predicts fastest; split-K only wins where the tiles leave SMs idle (the
+    f32 partials cost a write and a read)."""
+    base = mosaic_sm90.default_config(tokens, 1, 2)
+    split = mosaic_sm90.FUSED_DECODE
+    costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
+    with mosaic_sm90.host_eval():
+        for cfg in (base, dataclasses.replace(base, block_n=base.block_n // 2)):
+            costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg, num_sms=num_sms), cfg))
+        for block_n in (split.block_n, split.block_n // 2):  # narrower N: finer tiles
+            for split_k in range(2, -(-d // split.block_k) + 1):
+                cfg = dataclasses.replace(split, block_n=block_n, split_k=split_k)
+                try:
+                    costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,
+                                           num_sms=num_sms), cfg))
+                except ValueError:  # K ranges shorter than the pipeline: no larger split
+                    break
+    fastest = min(cost.predicted_us for cost, _ in costs)
+    # Within SPLIT_TIE of the fastest, the fullest launch (then the fewest splits):
+    # the model's per-SM bandwidth share is its least certain part.
+    near = [(cost, cfg) for cost, cfg in costs if cost.predicted_us <= fastest * (1 + SPLIT_TIE)]
+    return max(near, key=lambda c: (round(c[0].sm_fill, 2), -c[1].split_k))[1]
+
+
+def xla_ragged_dot_dense_s(m: int, k: int, n: int, num_groups: int, num_weights: int) -> float:
+    """Roofline of the lowering XLA gave jax.lax.ragged_dot in a deviceless
+    H200 compile (ENVIRONMENT.md): one dense GEMM [m, G*k] x [G*k, n] per
+    weight, G times the useful flops (a lower bound on its time)."""
+    flops = 2.0 * m * num_groups * k * n * num_weights
+    nbytes = 2.0 * (m * num_groups * k + num_groups * k * n + m * n) * num_weights
+    return roofline_s(flops, nbytes)
+
+
+def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
+    """Roofline of the unfused XLA MLP up-projection (two dots writing bf16
+    [T, F] products, then the SiTU reading them): the best XLA could do."""
+    flops = 2.0 * 2 * tokens * d * f
+    nbytes = 2.0 * (2 * d * f + 2 * tokens * d + 2 * tokens * f + 2 * tokens * f + tokens * f)
+    return roofline_s(flops, nbytes)
+
+
+__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
+           "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
+           "xla_ragged_dot_dense_s"]
