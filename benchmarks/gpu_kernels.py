@@ -707,6 +707,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--lower-only", action="store_true",
                       help="lower every kernel config of the sweep for sm_90 and stop "
                            "(no GPU needed; a pre-flight check before a GPU run)")
+    mode.add_argument("--lower-triton", action="store_true",
+                      help="lower every Triton row of the sweep (bf16 and MXFP4 grouped, MLP) "
+                           "for sm_90 through jax-triton and stop (no GPU needed)")
     mode.add_argument("--model-only", action="store_true",
                       help="print (and with --json write) the static cost model's prediction "
                            "for every row of the sweep and stop (no GPU needed)")

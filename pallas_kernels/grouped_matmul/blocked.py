@@ -112,7 +112,12 @@ def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
                               lambda: cached)
             cached_group = jnp.where(active, group, cached_group)
         start = jnp.clip((first // block_m) * block_m, 0, m - block_m)
-        x_BK = lax.dynamic_slice_in_dim(x_MK, start, block_m)
+        rows_B = start + jnp.arange(block_m, dtype=jnp.int32)
+        keep_B1 = ((rows_B >= first) & (rows_B < end))[:, None]
+        # Rows of other items (possibly NaN past sum(group_sizes)) are zeroed, so
+        # they reach neither this item's output nor, under autodiff, its weight's
+        # gradient (x^T @ dy would give NaN * 0 = NaN).
+        x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
 
         def compute():
             prods = [jnp.dot(x_BK, w, preferred_element_type=jnp.float32)
@@ -120,8 +125,6 @@ def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
             return epilogue(*prods).astype(out_dtype)
 
         new_BN = lax.cond(active, compute, lambda: fill((block_m, n)))
-        rows_B = start + jnp.arange(block_m, dtype=jnp.int32)
-        keep_B1 = ((rows_B >= first) & (rows_B < end))[:, None]
         old_BN = lax.dynamic_slice_in_dim(y_MN, start, block_m)
         y_MN = lax.dynamic_update_slice_in_dim(y_MN, jnp.where(keep_B1, new_BN, old_BN), start, 0)
         return (y_MN, cached_group, cached), None
