@@ -17,8 +17,9 @@ same float32 math as ``decode_mxfp4``, so bit-identical to it) and fed to a
 bf16 tensor-core dot: W4A16. (``tl.dot_scaled`` would need triton 3.9.)
 
 Scheduling: the Mosaic kernels' work items (``mosaic_sm90.work_items_4W``:
-int32 [4, W] = group or -1 for the tail, M-block, first row in the block, row
-count). The grid is (W, N-blocks); a program loads only its item's rows of x
+int32 [4, W] = group or -1 for the tail, the first x row of the item's tile,
+the item's first row within the tile, row count). The grid is (W, N-blocks);
+a program loads only its item's rows of x
 (other rows masked to 0, so NaN past sum(group_sizes) never reaches a valid
 row), runs ``cdiv(K, BLOCK_K)`` dot steps (0 for the tail and empty items) and
 stores only its rows: every output row is written exactly once, and rows past
@@ -40,7 +41,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul.mosaic_sm90 import work_items_4W
+from pallas_kernels.grouped_matmul.mosaic_sm90 import num_work_items, work_items_4W
 from pallas_kernels.triton_target import target_capability
 
 # -- tiles ---------------------------------------------------------------------
@@ -177,13 +178,13 @@ def _grouped_body(x_ptr, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, meta_ptr, o_ptr
     pointers are read only when MXFP4."""
     item = tl.program_id(0)
     group = tl.load(meta_ptr + item)
-    m_block = tl.load(meta_ptr + NUM_ITEMS + item)
+    x_row0 = tl.load(meta_ptr + NUM_ITEMS + item)
     offset = tl.load(meta_ptr + 2 * NUM_ITEMS + item)
     count = tl.load(meta_ptr + 3 * NUM_ITEMS + item)
 
     local = tl.arange(0, BLOCK_M)
     row_ok = (local >= offset) & (local < offset + count)
-    rows = m_block.to(tl.int64) * BLOCK_M + local
+    rows = x_row0.to(tl.int64) + local
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     x_dtype = x_ptr.dtype.element_ty
 
@@ -298,7 +299,7 @@ def plan(*, num_rows: int, k: int, n: int, num_groups: int, x_dtype, fused: bool
     tiles = tiles or default_tiles(num_rows, num_groups, 1 + fused, x_dtype.itemsize, mxfp4)
     if mxfp4 and tiles.block_k % 32:
         raise ValueError(f"MXFP4 needs block_k a multiple of 32, got {tiles.block_k}")
-    num_items = work_items_count(num_rows, num_groups, tiles.block_m)
+    num_items = num_work_items(num_rows, num_groups, tiles.block_m)
     constexprs = dict(K=k, N=n, NUM_ITEMS=num_items, BLOCK_M=tiles.block_m,
                       BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                       PRECISION="tf32x3" if x_dtype == jnp.dtype(jnp.float32) else "ieee")
@@ -307,11 +308,6 @@ def plan(*, num_rows: int, k: int, n: int, num_groups: int, x_dtype, fused: bool
                           LINEAR_BETA=float(linear_beta or 1.0))
     return LaunchPlan(kernel=_KERNELS[fused, mxfp4], grid=(num_items, triton.cdiv(n, tiles.block_n)),
                       constexprs=constexprs, tiles=tiles)
-
-
-def work_items_count(num_rows: int, num_groups: int, block_m: int) -> int:
-    """W, the static length of work_items_4W's table."""
-    return triton.cdiv(num_rows, block_m) + num_groups
 
 
 def _call(launch: LaunchPlan, x_MK, weights: list[jax.Array], group_sizes_G, n: int):
