@@ -22,7 +22,9 @@ Checked here:
 Fit (``fits_h200``) is recorded, not asserted per layout: on 8 GPUs K3's MXFP4
 experts alone exceed an H200 (k3jax plan), and at 8192 tokens XLA expands
 ragged_dot densely (about 114 GB of temporaries; issue 13). Each layer
-compiles once per process (module-level cache).
+compiles once per process (module-level cache): 7-33 s each on the shared
+2-core machine. Measured 2026-12-01: test_aot_hlo_schedule, test_compile_cli,
+test_aot_kernels and this file together, 170 tests, 12 min 18 s (load 4-5).
 """
 
 from __future__ import annotations
