@@ -28,23 +28,21 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
-# Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md).
-_DECODE_DOWN = ("k3jax grouped_matmul decode tile (64 rows, 255 registers, the cap): ptxas "
-                "spills 64 B of stores + 64 B of loads")
-_MLP_PREFILL = ("k3jax situ_mlp_up prefill tile (128 rows, 168 registers): a few bytes of "
-                "spill at this row count only")
+# Measured 2026-12-01 after issue 12's kernel changes (benchmarks/compile_table.py
+# --kernels; BENCHMARKS.md): every k3jax decode and MLP tile is spill-free now.
+_FUSED_PREFILL = ("k3jax grouped_situ_glu prefill tile (2 consumers x two 64x128 f32 "
+                  "accumulators, 168 registers): 52 B + 52 B of spill at these row counts only "
+                  "(shape-dependent; the other prefill rows compile without)")
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")
 KNOWN_SPILLS: dict[str, str] = {
-    **{f"down ep={ep} tokens={t}": _DECODE_DOWN for ep in (8, 16, 32) for t in (16, 64)},
-    "down ep=8 tokens=256": _DECODE_DOWN,
-    "down ep=16 tokens=256": _DECODE_DOWN,
+    "gate_up_situ ep=16 tokens=4096": _FUSED_PREFILL,
+    "gate_up_situ ep=8 tokens=16384": _FUSED_PREFILL,
     **{f"down ep=8 tokens={t} (peer: jax Mosaic)": _PEER for t in (1024, 4096, 16384)},
-    "situ_mlp_up tp=1 tokens=512": _MLP_PREFILL,
-    "situ_mlp_up tp=4 tokens=2048": _MLP_PREFILL,
-    "check mlp m=512 k=512 n=256 g=1 bfloat16": _MLP_PREFILL + " (24 B + 24 B)",
-    "check matmul m=300 k=256 n=256 g=8 float32": "float32 (bf16x3) decode tile at 255 registers: 8 B",
-    "check situ_glu m=1024 k=512 n=512 g=4 float32": "float32 (bf16x3) fused prefill tile: 200 B",
+    "check situ_glu m=1024 k=512 n=512 g=4 bfloat16": ("a correctness case (K 512): the fused "
+                                                        "prefill tile, 12 B + 20 B"),
+    "check situ_glu m=1024 k=512 n=512 g=4 float32": ("a correctness case, float32 (bf16x3: "
+                                                       "two planes per operand): 296 B"),
 }
 
 CONFIGS = {c.name: c for c in compile_table.kernel_configs()}

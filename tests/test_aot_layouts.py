@@ -20,8 +20,10 @@ Checked here:
   256 tokens, nor with EP at 8192).
 
 Fit (``fits_h200``) is recorded, not asserted per layout: on 8 GPUs K3's MXFP4
-experts alone exceed an H200 (k3jax plan). Each layer
-compiles once per process (module-level cache).
+experts alone exceed an H200 (k3jax plan). Each layer compiles once per
+process (module-level cache): 7-33 s each on the shared 2-core machine.
+Measured 2026-12-01: test_aot_hlo_schedule, test_compile_cli,
+test_aot_kernels and this file together, 170 tests, 12 min 18 s (load 4-5).
 """
 
 from __future__ import annotations
