@@ -118,7 +118,9 @@ def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
         assert {c.kind for c in shared} == {"collective-permute"}, sched
         assert sum(c.parts for c in shared) == 2 * (layout.parallel.tp - 1)
         assert all(c.is_async and c.compute_between > 0 for c in shared), sched
-        assert sum(c.flops_between > 0 for c in shared) * 2 > len(shared), sched
+        # a GEMM under most of them (ComputeOp.is_matmul: dot FLOPs, or a Mosaic
+        # kernel, whose FLOPs HLO cannot see, on the Pallas backend)
+        assert sum(any(op.is_matmul for op in c.compute_ops) for c in shared) * 2 > len(shared), sched
     elif layout.shared_mlp.mode is MlpMode.SP_SHARDED:
         assert sorted(c.kind for c in shared) == ["all-gather", "reduce-scatter"], sched
         assert overlapping == shared, [(c.kind, c.is_async, c.parts, c.compute_between)

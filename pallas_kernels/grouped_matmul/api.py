@@ -14,10 +14,12 @@ along K + UE8M0 scales); they run Triton's in-kernel dequantization on
 active group at a time inside its loop (no Mosaic kernel takes packed
 weights yet).
 
-Differentiable in x and the (float) weights on every backend: "xla" and
-MXFP4 weights through jax's autodiff of the blocked scan (whose transpose is
-a scan too, so the backward fits in memory like the forward; packed weights
-get no gradient), the kernels through vjp.py's jax.custom_vjp.
+Differentiable in x and the (float) weights on every backend through
+vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan on the transposed
+weights, dw by reference.tgmm). MXFP4 weights are frozen: jax's autodiff of
+the blocked scan gives x its gradient, the packed weights get none. (jax's
+autodiff of the blocked scan with float weights crashed XLA:CPU under an
+8-device shard_map, a segmentation fault; the custom VJP avoids it.)
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes
     validate_grouped(x_MK, w_GKN, group_sizes_G)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    if impl == "xla" or isinstance(w_GKN, Mxfp4Weights):
+    if isinstance(w_GKN, Mxfp4Weights):   # frozen: autodiff reaches x only
         return _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl)
     return vjp.grouped_matmul(_FORWARDS, impl, x_MK, w_GKN, group_sizes_G)
 
@@ -123,8 +125,7 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     check_betas(beta, linear_beta)
     impl = resolve_backend(backend)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
-    packed = any(isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN))
-    if impl == "xla" or packed:
+    if any(isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)):   # frozen
         return _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
                                          linear_beta, impl)
     return vjp.grouped_situ_glu(_FORWARDS, impl, x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
