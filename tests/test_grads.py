@@ -44,7 +44,7 @@ from k3jax.checkpoint.names import layer_prefix
 from k3jax.grads import checkpoint_tensors, grad_program, layer_grads, param_path, split_trainable
 from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, ExpertStorage, KimiMoE, expert_weights
 from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
-from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, module
+from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
 
 LAYERS = {"dense": 0, "moe": 1}
@@ -73,6 +73,12 @@ def f64(a) -> np.ndarray:
 
 # -- k3jax ------------------------------------------------------------------------
 @functools.cache
+def ag_rs_form(name: str) -> str:
+    """The layout ``name`` with an SP-sharded MLP in its all-gather /
+    reduce-scatter form (SharedOverlap.NONE), where it has a ring form."""
+    return f"{name}_none" if f"{name}_none" in UNOVERLAPPED else name
+
+
 def placed_case(name: str, layer: str):
     """(module, compiled program, its HLO text, outputs) of the gradient program
     at T_PLACED with x and dy placed as the layout places rows (so only the
@@ -282,12 +288,15 @@ def test_backward_collectives_mirror_the_forward(eight_devices, name, layer):
     XLA's combiner may merge a forward all-reduce with backward ones over the
     same axes (plain TP's dense MLP: the output's and dx's in one), so per
     axis set there are at least one and at most the forward's, their mirror
-    and the weight gradients' all-reduces together."""
+    and the weight gradients' all-reduces together. An SP-sharded MLP is
+    checked in its all-gather / reduce-scatter form (``_none``; the ring's
+    gradients are checked numerically above)."""
+    name = ag_rs_form(name)
     mod, _, hlo, _ = placed_case(name, layer)
     found = collectives(hlo)
     forward = [(op, axes, on_floats) for op, axes, on_floats, bwd in found if not bwd]
     backward = Counter((op, axes) for op, axes, _, bwd in found if bwd and op != AR)
-    layout = make_layout(TINY, LAYOUTS[name])
+    layout = make_layout(TINY, {**LAYOUTS, **UNOVERLAPPED}[name])
     # the forward's own collectives (tests/test_collectives.py); its all-reduces are over TENSOR
     want_forward = MOE_EXPECTED[name] if layer == "moe" else Counter(layout.dense_mlp.collectives)
     assert Counter(op for op, _, _ in forward if op != AR) == want_forward - Counter({AR: want_forward[AR]})
@@ -312,11 +321,12 @@ def test_sp_sharded_mlp_one_gather_and_one_scatter_per_direction(eight_devices, 
     over the tensor axis; its weights' gradients need no collective of their
     own over the tensor axis (they are all-reduced over data only)."""
     tensor = axes_text(["tensor"])
+    name = ag_rs_form(name)
     dense = collectives(placed_case(name, "dense")[2])
     on_tensor = Counter((op, bwd) for op, axes, _, bwd in dense if axes == tensor)
     assert on_tensor == Counter({(AG, False): 1, (RS, False): 1, (AG, True): 1, (RS, True): 1})
     assert {axes for _, axes, _, _ in dense if axes != tensor} <= {axes_text(["data"])}
-    if make_layout(TINY, LAYOUTS[name]).dispatch_axes == ("data", "tensor"):
+    if make_layout(TINY, UNOVERLAPPED[name]).dispatch_axes == ("data", "tensor"):
         moe = collectives(placed_case(name, "moe")[2])
         on_tensor = Counter((op, bwd) for op, axes, _, bwd in moe if axes == tensor)
         assert on_tensor == Counter({(AG, False): 1, (RS, False): 1, (AG, True): 1, (RS, True): 1})
@@ -349,8 +359,8 @@ def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices):
     tensors = checkpoint_tensors(mod, 1, {k: f64(v) for k, v in flat_grads(
         nnx.state(mod, nnx.Param)).items() if k not in MXFP4_EXPERT_PARAMS})
     prefix = layer_prefix(1, True)
-    for w, a in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4,
-                                                      jnp.float32)):
+    for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4)):
+        a = packed.dequantize(jnp.float32)
         for e in range(TINY.num_experts):
             tensors[f"{prefix}experts.{e}.{w}.weight"] = f64(a[e]).T
     want = torch_grads("moe", tensors, x, dy)

@@ -88,8 +88,20 @@ def _grouped_matmul_fwd(forwards, impl, x_MK, w_GKN, group_sizes_G):
     return y_MN, (x_MK, w_GKN, group_sizes_G)
 
 
+def _reference_vjp(fn, primals, cotangent):
+    """The "xla" backward: jax's VJP of the ragged_dot reference (f32
+    accumulation and f32 pre-activations throughout), each cotangent typed
+    like its primal. (The forward is the blocked scan; its own autodiff
+    crashed XLA:CPU under an 8-device shard_map.)"""
+    _, pullback = jax.vjp(fn, *primals)
+    return tuple(like_primal(d, p) for d, p in zip(pullback(cotangent), primals))
+
+
 def _grouped_matmul_bwd(forwards, impl, residuals, dy_MN):
     x_MK, w_GKN, group_sizes_G = residuals
+    if impl == "xla":
+        return (*_reference_vjp(lambda x, w: reference.grouped_matmul(x, w, group_sizes_G),
+                                (x_MK, w_GKN), dy_MN), None)
     dy_MN = dy_MN.astype(x_MK.dtype)
     dx_MK = forwards.plain(dy_MN, _transposed_GNK(w_GKN), group_sizes_G, impl)
     dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, impl, w_GKN.dtype)
@@ -118,6 +130,11 @@ def _grouped_situ_glu_fwd(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_size
 
 def _grouped_situ_glu_bwd(forwards, impl, beta, linear_beta, residuals, dh_MN):
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
+    if impl == "xla":
+        return (*_reference_vjp(
+            lambda x, wg, wu: reference.grouped_situ_glu(x, wg, wu, group_sizes_G, beta=beta,
+                                                         linear_beta=linear_beta),
+            (x_MK, w_gate_GKN, w_up_GKN), dh_MN), None)
     # Recompute the pre-activations with the backend's plain grouped kernel.
     gate_MN = forwards.plain(x_MK, w_gate_GKN, group_sizes_G, impl).astype(jnp.float32)
     up_MN = forwards.plain(x_MK, w_up_GKN, group_sizes_G, impl).astype(jnp.float32)
