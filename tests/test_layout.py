@@ -292,13 +292,13 @@ LAYOUT_TABLE = {
     "sp_tp8_repl": (sp(8, False), MoEMode.TP, REPL, (DATA, TENSOR), 8, (), (TENSOR,), True),
     "sp_tp8_shard": (sp(8, True), MoEMode.TP, SPS, (DATA, TENSOR), 8, (), (TENSOR,), True),
     "sp_dp2_tp4_shard": (sp(4, True, dp=2), MoEMode.TP, SPS, (DATA, TENSOR), 8, (), (TENSOR,),
-                         False),
+                         True),
     "sp_ep_tp8_repl": (sp(8, False, expert_parallel=True), MoEMode.EP, REPL, (DATA, TENSOR), 8,
                        (DATA, TENSOR), (DATA, TENSOR), True),
     "sp_ep_tp8_shard": (sp(8, True, expert_parallel=True), MoEMode.EP, SPS, (DATA, TENSOR), 8,
                         (DATA, TENSOR), (DATA, TENSOR), True),
     "sp_ep_dp2_tp4_shard": (sp(4, True, dp=2, expert_parallel=True), MoEMode.EP, SPS,
-                            (DATA, TENSOR), 8, (DATA, TENSOR), (DATA, TENSOR), False),
+                            (DATA, TENSOR), 8, (DATA, TENSOR), (DATA, TENSOR), True),
     "ep_dp8": (ParallelConfig(dp=8, expert_parallel=True), MoEMode.EP, REPL, (DATA,), 8, (DATA,),
                (DATA,), True),
     "ep_tp8": (ParallelConfig(tp=8, expert_parallel=True), MoEMode.EP, TP, (DATA,), 1,
@@ -342,6 +342,18 @@ def test_layout_properties(name):
     assert f"routed experts: {moe_mode.value}" in text
     assert f"shared expert: {shared_mode.value}" in text
     assert f"shared expert may overlap routed work: {overlaps}" in text
+
+
+@pytest.mark.parametrize("dp, overlaps", [(1, True), (2, False)])
+def test_the_unoverlapped_sharded_shared_expert_claims_overlap_only_at_dp1(dp, overlaps):
+    """The ring (default) is claimed in every SP layout; the all-gather /
+    reduce-scatter form only where the tensor axis spans the mesh (what the
+    compiled H200 schedule keeps: tests/test_aot_layouts.py)."""
+    for ep in (False, True):
+        par = sp(8 // dp, True, dp=dp, expert_parallel=ep, shared_overlap=SharedOverlap.NONE)
+        assert make_layout(K3, par).shared_overlaps_routed is overlaps
+        ring = sp(8 // dp, True, dp=dp, expert_parallel=ep)
+        assert make_layout(K3, ring).shared_overlaps_routed is True
 
 
 def test_shared_overlaps_routed_is_a_typed_property():
