@@ -77,9 +77,11 @@ class ComputeOp:
 
     @property
     def is_matmul(self) -> bool:
-        """A GEMM: an op with dot FLOPs, or a Mosaic GPU kernel (whose FLOPs
-        HLO cannot see; k3jax's Mosaic kernels are its grouped/MLP GEMMs)."""
-        return self.flops > 0 or self.target.startswith("mosaic_gpu")
+        """A GEMM: an op with dot FLOPs, a Mosaic GPU kernel (whose FLOPs HLO
+        cannot see; k3jax's Mosaic kernels are its grouped/MLP GEMMs), or a
+        while loop (the XLA backend's blocked grouped matmul is a scan of
+        block GEMMs; the loop's body is not counted in ``flops``)."""
+        return self.flops > 0 or self.target.startswith("mosaic_gpu") or self.opcode == "while"
 
 
 @dataclasses.dataclass(frozen=True)
