@@ -10,6 +10,7 @@ import sys
 from k3jax.cli.common import (
     BACKENDS,
     UsageError,
+    add_model_source_flags,
     check_backend,
     check_output,
     config_from_args,
@@ -19,7 +20,6 @@ from k3jax.cli.common import (
     report_errors,
     request_devices,
 )
-from k3jax.config import PRESETS
 from k3jax.layout import DEFAULT_SHARED_OVERLAP, SharedOverlap
 
 DEFAULT_CPU_DEVICES = 8
@@ -54,9 +54,7 @@ def add_parser(sub) -> None:
                                    "(SP + EP, either shared-expert layout). Runs on simulated CPU "
                                    "devices by default and on the accelerators when there are at "
                                    "least two.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", metavar="CONFIG.json", help="an HF config.json or checkpoint directory")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+    add_model_source_flags(p)
     p.add_argument("--scale", type=positive_int,
                    help=f"divide hidden, intermediate and latent widths by S (kept divisible by the "
                         f"device count; default on the CPU: hidden / {CPU_MIN_HIDDEN} up to "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import K3Config, from_hf_config, preset
+from k3jax.config import PRESETS, K3Config, from_hf_config, preset
 from k3jax.files import atomic_write, check_writable
 from k3jax.layout import DEFAULT_SHARED_OVERLAP, ParallelConfig, SharedOverlap
 
@@ -91,6 +91,30 @@ def config_from_args(args: argparse.Namespace) -> tuple[K3Config, str]:
         return preset(name), f"preset {name}"
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+
+
+def add_model_source_flags(p: argparse.ArgumentParser) -> None:
+    """--config CONFIG.json | --preset NAME (read back by ``config_from_args``)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="CONFIG.json",
+                     help="an HF config.json (flat or text_config-nested), or a checkpoint directory")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+
+
+def add_layer_shape_flags(p: argparse.ArgumentParser, *, default_tokens: int,
+                          tokens_help: str) -> None:
+    """The flags that size one planned or compiled layer: --pad-under-ep,
+    --tokens, --dtype, --expert-dtype, and --json for the output."""
+    p.add_argument("--pad-under-ep", action="store_true",
+                   help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
+    p.add_argument("--tokens", type=positive_int, default=default_tokens,
+                   help=f"{tokens_help} (default {default_tokens})")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of every weight but the MXFP4 routed experts and the router bias, "
+                        "and of the activations (default bfloat16)")
+    p.add_argument("--expert-dtype", choices=("mxfp4", "bfloat16", "float32"), default="mxfp4",
+                   help="storage of the routed experts (default mxfp4, 0.53125 B/param)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:

@@ -12,15 +12,15 @@ import sys
 
 from k3jax.cli.common import (
     UsageError,
+    add_layer_shape_flags,
+    add_model_source_flags,
     add_parallel_flags,
     config_from_args,
     layout_flags,
     non_negative_int,
     parallel_from_args,
-    positive_int,
     report_errors,
 )
-from k3jax.config import PRESETS
 
 DEFAULT_TOKENS = 256
 DEFAULT_LAYER = 1
@@ -34,26 +34,14 @@ def add_parser(sub) -> None:
                                    "compiler's per-device bytes, the collective schedule and, "
                                    "with --backend pallas, the Mosaic GPU kernels. Needs the "
                                    "gpu-compile extra.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", metavar="CONFIG.json",
-                     help="an HF config.json (flat or text_config-nested), or a checkpoint directory")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+    add_model_source_flags(p)
     add_parallel_flags(p)
-    p.add_argument("--pad-under-ep", action="store_true",
-                   help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
-    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
-                   help=f"global tokens of the forward (default {DEFAULT_TOKENS})")
+    add_layer_shape_flags(p, default_tokens=DEFAULT_TOKENS,
+                          tokens_help="global tokens of the forward")
     p.add_argument("--layer", type=non_negative_int, default=DEFAULT_LAYER,
                    help=f"layer index: 0 is the dense layer, 1 and up MoE (default {DEFAULT_LAYER})")
     p.add_argument("--backend", choices=("xla", "pallas"), default="xla",
                    help="xla (default) or pallas (the Mosaic GPU kernels, compiled through ptxas)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of the weights (but MXFP4 experts and the router bias) and "
-                        "activations (default bfloat16)")
-    p.add_argument("--expert-dtype", choices=("mxfp4", "bfloat16", "float32"), default="mxfp4",
-                   help="storage of the routed experts (default mxfp4); a float one must equal "
-                        "--dtype")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(main=main)
 
 

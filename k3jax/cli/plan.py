@@ -9,14 +9,14 @@ import sys
 
 from k3jax.cli.common import (
     UsageError,
+    add_layer_shape_flags,
+    add_model_source_flags,
     add_parallel_flags,
     config_from_args,
     layout_flags,
     parallel_from_args,
-    positive_int,
     report_errors,
 )
-from k3jax.config import PRESETS
 
 DEFAULT_TOKENS = 256
 
@@ -28,22 +28,10 @@ def add_parser(sub) -> None:
                                    "follow the published checkpoint by default: routed experts "
                                    "MXFP4 (0.53125 B/param), everything else BF16, router bias "
                                    "float32.")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", metavar="CONFIG.json",
-                     help="an HF config.json (flat or text_config-nested), or a checkpoint directory")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
+    add_model_source_flags(p)
     add_parallel_flags(p)
-    p.add_argument("--pad-under-ep", action="store_true",
-                   help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
-    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
-                   help=f"global tokens of the MoE forward whose collectives are sized "
-                        f"(default {DEFAULT_TOKENS})")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of every weight but the routed experts and the router bias, and of "
-                        "the activations (default bfloat16)")
-    p.add_argument("--expert-dtype", choices=("mxfp4", "bfloat16", "float32"), default="mxfp4",
-                   help="storage of the routed experts (default mxfp4)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_layer_shape_flags(p, default_tokens=DEFAULT_TOKENS,
+                          tokens_help="global tokens of the MoE forward whose collectives are sized")
     p.set_defaults(main=main)
 
 

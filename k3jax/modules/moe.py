@@ -158,6 +158,25 @@ def _latent_out(r_TL, p, cfg: K3Config, dtype):
     return matmul(r, p["lat_up_LD"])
 
 
+def _routed_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
+                   experts: ExpertStorage):
+    """Route own rows x_TD [T, D], then the routed experts held here -> float32
+    latent r_TL [T, L], summed over the experts of this device (EP: global ids
+    from ``first_expert``). With ``layout.dispatch_axes``, lat/ids/weights are
+    all-gathered over them first ([T * n, .]) and r_TL reduce-scattered back."""
+    ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], layout.cfg, valid_T)
+    lat_TL = matmul(x_TD, p["lat_down_DL"])
+    axes = layout.dispatch_axes
+    if axes:
+        lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
+    first_expert = 0
+    if layout.moe_mode is MoEMode.EP:
+        first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
+                          first_expert=first_expert, backend=backend)
+    return scatter_rows(r_TL, axes) if axes else r_TL
+
+
 def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
                    experts: ExpertStorage):
     """Dispatch.OWN_ROWS: route own rows; all-gather lat/ids/weights over
@@ -165,21 +184,10 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
     here (global ids from ``first_expert`` under EP); reduce-scatter the float32
     latent back to [T, L]; add the shared expert of own rows (replicated or
     SP-sharded, which issues its own gather / scatter over TENSOR)."""
-    cfg = layout.cfg
     with jax.named_scope(ROUTED_SCOPE):
-        ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
-        lat_TL = matmul(x_TD, p["lat_down_DL"])
-        axes = layout.dispatch_axes
-        first_expert = 0
-        if axes:
-            lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-        if layout.moe_mode is MoEMode.EP:
-            first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
-                              first_expert=first_expert, backend=backend)
-        if axes:
-            r_TL = scatter_rows(r_TL, axes)
-        routed_TD = _latent_out(r_TL, p, cfg, x_TD.dtype)
+        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act, backend=backend,
+                              experts=experts)
+        routed_TD = _latent_out(r_TL, p, layout.cfg, x_TD.dtype)
     with jax.named_scope(SHARED_SCOPE):
         shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, backend)
     return routed_TD + shared_TD
@@ -197,25 +205,14 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
     all-reduce of [T, L + D]."""
     if layout.shared_mlp.mode is not MlpMode.TP:
         raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
-    cfg = layout.cfg
     with jax.named_scope(ROUTED_SCOPE):
-        ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], cfg, valid_T)
-        lat_TL = matmul(x_TD, p["lat_down_DL"])
-        axes = layout.dispatch_axes
-        if axes:
-            lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-        first_expert = 0
-        if layout.moe_mode is MoEMode.EP:
-            first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-        r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
-                              first_expert=first_expert, backend=backend)
-        if axes:
-            r_TL = scatter_rows(r_TL, axes)
+        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act, backend=backend,
+                              experts=experts)
     with jax.named_scope(SHARED_SCOPE):
         shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
     L = r_TL.shape[1]
     both = jax.lax.psum(jnp.concatenate([r_TL, shared_TD], axis=1), TENSOR)
-    return _latent_out(both[:, :L], p, cfg, x_TD.dtype) + both[:, L:].astype(x_TD.dtype)
+    return _latent_out(both[:, :L], p, layout.cfg, x_TD.dtype) + both[:, L:].astype(x_TD.dtype)
 
 
 MOE_LOCAL = {Dispatch.OWN_ROWS: moe_rows_local, Dispatch.ALL_REDUCE: moe_tp_local}

@@ -10,22 +10,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
     raise ImportError("k3jax.reference needs torch; install the extra: "
                       "pip install 'k3jax[torch]'") from e
 
-from k3jax.reference.torch_reference import (
-    TorchKimiMLP,
-    TorchKimiMoE,
-    decode_mxfp4_torch,
-    load_layer_from_safetensors,
-    rms_norm,
-    route,
-    situ_glu,
-)
+from k3jax.reference import torch_reference
+from k3jax.reference.torch_reference import *  # noqa: F403 (the names in __all__)
 
-__all__ = [
-    "TorchKimiMLP",
-    "TorchKimiMoE",
-    "decode_mxfp4_torch",
-    "load_layer_from_safetensors",
-    "rms_norm",
-    "route",
-    "situ_glu",
-]
+__all__ = torch_reference.__all__
