@@ -343,8 +343,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
 
     epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
     split_k = S (one group), the outputs are f32 partials [S * X, N], X =
-    x_rows(M, block_m): K range s writes whole 64-row slices at rows s * X +
-    tile row (rows past the group's end hold garbage; the caller masks them).
+    x_rows(M, block_m): K range s writes the item's rows at rows s * X + row
+    (rows no item covers are never written; the caller reads rows < M only
+    and masks the tail rows past sum(group_sizes)).
     Every warpgroup walks the same (K range, work item, N-block) sequence, so
     the producer and the consumers always agree on which tiles run a pipeline.
     """
@@ -391,15 +392,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                     for o, tile in enumerate(tiles):
                         o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
                     plgpu.commit_smem()
+                    # split-K: K range ``split`` writes its f32 partial rows at
+                    # split * x_rows_pad + row (the padded partials).
+                    row0 = x_row0 + wg * wg_m + (split * x_rows_pad if split_k > 1 else 0)
                     for o, o_gmem in enumerate(o_gmems):
-                        if split_k > 1:  # whole 64-row slices into the padded partials
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[o * cfg.num_compute_wgs + wg],
-                                o_gmem.at[pl.ds(split * x_rows_pad + x_row0 + wg * wg_m, wg_m),
-                                          pl.ds(n_block * cfg.block_n, cfg.block_n)])
-                            continue
                         _store_rows(o_smem.at[o * cfg.num_compute_wgs + wg], o_gmem,
-                                    row0=x_row0 + wg * wg_m, offset=lo,
+                                    row0=row0, offset=lo,
                                     count=hi - lo, col0=n_block * cfg.block_n,
                                     block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
 
