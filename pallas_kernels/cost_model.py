@@ -196,14 +196,22 @@ def _uniform_fill(tiles: int, num_sms: int) -> float:
 def mlp_candidates(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
                    num_sms: int = H200_NUM_SMS) -> list[mosaic_sm90.TileConfig]:
     """The tile configurations best_mlp_config weighs for situ_mlp_up: the
-    one- and two-consumer fused tiles (FUSED_DECODE / FUSED_PREFILL) at
-    block_n 128, 64 or 32 (32: f32 split-K partials only), unsplit or split-K
-    S >= 2 for every S whose K ranges keep >= the pipeline's stages and whose
-    equal tiles could fill >= SPLIT_FILL_SCREEN of the SMs (S <= 4 always)."""
+    one-consumer fused tile (FUSED_DECODE) at block_n 128, 64 or 32, and the
+    two-consumer one (FUSED_PREFILL) at 64 unsplit or 32 with split-K
+    (block_n 32 only with f32 split-K partials: output rows of 128 bytes);
+    unsplit or split-K S >= 2 for every S whose K ranges keep >= the
+    pipeline's stages and whose equal tiles could fill >= SPLIT_FILL_SCREEN
+    of the SMs (S <= 4 always). Two consumers run at ptxas's 168-register cap
+    for 3 warpgroups; with split-K they spilled (sm_90a, 2026-12-01) at
+    block_n 128 (48 B, tp 4 T 512) and 64 (24-188 B, tp 4 T 512, tp 8 T 128
+    and 512), not at 32."""
     out = []
-    for tile in (mosaic_sm90.FUSED_DECODE, mosaic_sm90.FUSED_PREFILL):
-        for block_n in (128, 64, 32):
+    for tile, widths in ((mosaic_sm90.FUSED_DECODE, (128, 64, 32)),
+                         (mosaic_sm90.FUSED_PREFILL, (64, 32))):
+        for block_n in widths:
             for split_k in range(1, 2 * H200_NUM_SMS):
+                if tile.num_compute_wgs > 1 and (split_k > 1) != (block_n == 32):
+                    continue
                 cfg = dataclasses.replace(tile, block_n=block_n, split_k=split_k)
                 try:
                     launch = mosaic_sm90.plan_launch(tokens, d, f, 1, 2, dtype, dtype, cfg)

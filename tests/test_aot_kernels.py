@@ -28,21 +28,12 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
-# Measured 2026-12-01 after issue 12's kernel changes (benchmarks/compile_table.py
-# --kernels; BENCHMARKS.md): every k3jax decode and MLP tile is spill-free now.
-_FUSED_PREFILL = ("k3jax grouped_situ_glu prefill tile (2 consumers x two 64x128 f32 "
-                  "accumulators, 168 registers): 52 B + 52 B of spill at these row counts only "
-                  "(shape-dependent; the other prefill rows compile without)")
+# Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md):
+# every k3jax tile is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")
 KNOWN_SPILLS: dict[str, str] = {
-    "gate_up_situ ep=16 tokens=4096": _FUSED_PREFILL,
-    "gate_up_situ ep=8 tokens=16384": _FUSED_PREFILL,
     **{f"down ep=8 tokens={t} (peer: jax Mosaic)": _PEER for t in (1024, 4096, 16384)},
-    "check situ_glu m=1024 k=512 n=512 g=4 bfloat16": ("a correctness case (K 512): the fused "
-                                                        "prefill tile, 12 B + 20 B"),
-    "check situ_glu m=1024 k=512 n=512 g=4 float32": ("a correctness case, float32 (bf16x3: "
-                                                       "two planes per operand): 296 B"),
 }
 
 CONFIGS = {c.name: c for c in compile_table.kernel_configs()}
