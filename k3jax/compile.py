@@ -113,11 +113,7 @@ class CompileReport:
             "collectives": collective_table(list(self.collectives)),
             "kernels": [{"name": k.name, "registers": k.registers, "spill_bytes": k.spill_bytes,
                          "smem_bytes": k.smem_bytes, "grid": list(k.grid)} for k in self.kernels],
-            "peer_kernels": [{"peer": p.peer, "for": dataclasses.asdict(p.launch),
-                              "name": p.report.name, "registers": p.report.registers,
-                              "spill_bytes": p.report.spill_bytes,
-                              "smem_bytes": p.report.smem_bytes, "grid": list(p.report.grid)}
-                             for p in self.peer_kernels],
+            "peer_kernels": [_peer_dict(p) for p in self.peer_kernels],
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "target": target_summary(),
@@ -126,6 +122,17 @@ class CompileReport:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+def _peer_dict(p: PeerKernel) -> dict[str, Any]:
+    """One peer_kernels entry: the peer, our launch it stands beside, its ptxas
+    report (or the peer's error for shapes it rejects)."""
+    out: dict[str, Any] = {"peer": p.peer, "for": dataclasses.asdict(p.launch)}
+    if p.report is None:
+        return {**out, "error": p.error}
+    return {**out, "name": p.report.name, "registers": p.report.registers,
+            "spill_bytes": p.report.spill_bytes, "smem_bytes": p.report.smem_bytes,
+            "grid": list(p.report.grid)}
 
 
 def target_summary() -> dict[str, Any]:

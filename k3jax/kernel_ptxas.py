@@ -104,19 +104,30 @@ TOKAMAX_PEER = "tokamax.ragged_dot (Mosaic GPU, tokamax 0.0.17)"
 class PeerKernel:
     """A peer library's kernel compiled for the shapes of one of our launches:
     ``launch.num_weights`` calls of it replace our launch (the fused gate/up
-    is two ragged_dots, then the SiTU in XLA: pallas_kernels.peers)."""
+    is two ragged_dots, then the SiTU in XLA: pallas_kernels.peers).
+    report is None when the peer rejected the shapes (error: its message)."""
 
     peer: str
     launch: GroupedLaunch
-    report: PtxasReport
+    report: PtxasReport | None
+    error: str | None = None
 
 
 def tokamax_peer_reports(launches: list[GroupedLaunch]) -> list[PeerKernel]:
     """tokamax.ragged_dot's Mosaic GPU kernel compiled (one H200, sm_90a) for
-    each launch's x [m, k] @ w [groups, k, n] in the launch's dtype."""
-    return [PeerKernel(TOKAMAX_PEER, launch, report) for launch in launches
-            for report in tokamax_ragged_dot_reports(launch.m, launch.k, launch.n, launch.groups,
-                                                     jnp.dtype(launch.dtype))]
+    each launch's x [m, k] @ w [groups, k, n] in the launch's dtype; a shape
+    tokamax rejects (e.g. K not a multiple of its 64-wide tiles) gives an
+    entry with the error instead."""
+    out = []
+    for launch in launches:
+        try:
+            reports = tokamax_ragged_dot_reports(launch.m, launch.k, launch.n, launch.groups,
+                                                 jnp.dtype(launch.dtype))
+        except (ValueError, NotImplementedError) as e:  # tokamax's "cannot do this shape"
+            out.append(PeerKernel(TOKAMAX_PEER, launch, None, f"{type(e).__name__}: {e}"))
+            continue
+        out += [PeerKernel(TOKAMAX_PEER, launch, report) for report in reports]
+    return out
 
 
 __all__ = ["GroupedLaunch", "PeerKernel", "TOKAMAX_PEER", "grouped_launches", "ptxas_reports",

@@ -171,6 +171,9 @@ def print_report(report, file=None) -> None:
         for p in report.peer_kernels:
             shape = (f"[{p.launch.m}, {p.launch.k}] @ [{p.launch.groups}, {p.launch.k}, "
                      f"{p.launch.n}] x{p.launch.num_weights} {p.launch.dtype}")
+            if p.report is None:
+                ptable.add_row(p.launch.kernel, shape, f"rejected: {p.error}", "", "", "", "")
+                continue
             ptable.add_row(p.launch.kernel, shape, p.report.name, str(p.report.registers),
                            str(p.report.spill_bytes), f"{p.report.smem_bytes:,}",
                            "x".join(map(str, p.report.grid)))
