@@ -1,8 +1,9 @@
 """Every Mosaic GPU kernel configuration compiles for the H200 (sm_90a) through
 ptxas without a GPU, with 0 spill bytes: the configurations
 benchmarks/gpu_kernels.py times (grouped sweep, jax's Mosaic ragged_dot peers,
-MLP sweep) and every distinct kernel of benchmarks/gpu_kernel_checks.py
-(benchmarks/compile_table.py lists them). The ptxas is the nvidia-cuda-nvcc
+MLP sweep), tokamax.ragged_dot at the headline shapes (5 configurations, 12-25 s
+each on the loaded machine) and every distinct kernel of
+benchmarks/gpu_kernel_checks.py (benchmarks/compile_table.py lists them). The ptxas is the nvidia-cuda-nvcc
 wheel's (k3jax.aot.pin_wheel_ptxas).
 
 A configuration that spills today is named in KNOWN_SPILLS with the reason
@@ -45,13 +46,15 @@ def reports(name: str) -> tuple[PtxasReport, ...]:
 
 
 def test_the_configuration_list_is_the_benchmarks():
-    """87 configurations: 36 grouped, 18 peers, 15 MLP, 18 check kernels (14 at commit
-    3233f01; issue 12 added the >= 1000-tile, 3-CTA and split-K cases)."""
+    """92 configurations: 36 grouped, 18 jax Mosaic peers, 15 MLP, 5 tokamax peers
+    (issue 12), 18 check kernels (14 at commit 3233f01; issue 12 added the
+    >= 1000-tile, 3-CTA and split-K cases)."""
     names = list(CONFIGS)
     assert len(names) == len(set(names))
     assert sum(n.startswith(("gate_up_situ", "down")) and "peer" not in n for n in names) == 36
     assert sum("(peer: jax Mosaic)" in n for n in names) == 18
-    assert sum(n.startswith("situ_mlp_up") for n in names) == 15
+    assert sum("(peer: tokamax)" in n for n in names) == 5
+    assert sum(n.startswith("situ_mlp_up") and "peer" not in n for n in names) == 15
     assert sum(n.startswith("check ") for n in names) == 18
     assert set(KNOWN_SPILLS) <= set(CONFIGS), set(KNOWN_SPILLS) - set(CONFIGS)
 
