@@ -6,7 +6,8 @@ command on a CPU-only machine (deviceless compiles; k3jax/aot.py):
 
 Kernels: every configuration benchmarks/gpu_kernels.py times (the list its
 --lower-only path lowers: grouped sweep, jax's Mosaic ragged_dot peers, MLP
-sweep) and every distinct kernel of benchmarks/gpu_kernel_checks.py (its
+sweep), tokamax.ragged_dot (the peer library) at the headline shapes
+(TOKAMAX_PEER_ROWS), and every distinct kernel of benchmarks/gpu_kernel_checks.py (its
 cases differ in group sizes only at run time), each compiled for sm_90a
 through ptxas: registers per thread, spill bytes (stores + loads), the
 launch's dynamic shared memory and grid.
@@ -66,6 +67,7 @@ def kernel_configs() -> list[KernelConfig]:
     out += [KernelConfig(f"{c.name} (peer: jax Mosaic)", gk.jax_mosaic_ragged_dot(c), c.arg_specs())
             for c in gk.grouped_cases(plan) if c.op == "down"]
     out += [KernelConfig(c.name, c.fn("pallas"), c.arg_specs()) for c in gk.mlp_cases(plan)]
+    out += tokamax_peer_configs(plan)
     seen = set()
     for c in checks.CASES:   # the pattern only changes group sizes at run time: one kernel
         name = f"check {c.op} m={c.m} k={c.k} n={c.n} g={c.groups} {jax.numpy.dtype(c.dtype).name}"
@@ -75,13 +77,43 @@ def kernel_configs() -> list[KernelConfig]:
     return out
 
 
+# The peer library's kernel (tokamax.ragged_dot, Mosaic GPU; pallas_kernels.peers)
+# at the headline shapes: EP 16 decode and prefill, both ops, and the MLP at
+# tp 8, 8 tokens (gate/up: two ragged_dots). A few rows only: its heuristic
+# config depends on the shape, and each compile takes 20-60 s here.
+TOKAMAX_PEER_ROWS = ("gate_up_situ ep=16 tokens=16", "down ep=16 tokens=16",
+                     "gate_up_situ ep=16 tokens=4096", "down ep=16 tokens=4096")
+TOKAMAX_PEER_MLP = (8, 8)  # (tp, tokens)
+
+
+def tokamax_peer_configs(plan) -> list[KernelConfig]:
+    """tokamax.ragged_dot compiled for some of our configurations' shapes,
+    labelled "(peer: tokamax)"."""
+    from pallas_kernels import peers as lib
+    out = [KernelConfig(f"{c.name} (peer: tokamax)",
+                        lib.tokamax_ragged_dot if c.op == "down" else lib.tokamax_situ_glu(**gk.SITU),
+                        c.arg_specs())
+           for c in gk.grouped_cases(plan) if c.name in TOKAMAX_PEER_ROWS]
+    for c in gk.mlp_cases(plan):
+        if (c.tp, c.tokens) == TOKAMAX_PEER_MLP:
+            glu = lib.tokamax_situ_glu(**gk.SITU)
+            out.append(KernelConfig(
+                f"{c.name} (peer: tokamax)",
+                lambda x, gate, up, glu=glu: glu(x, gate[None], up[None],
+                                                 jax.numpy.full((1,), x.shape[0], "int32")),
+                c.arg_specs()))
+    return out
+
+
 def compile_kernel(config: KernelConfig) -> list[PtxasReport]:
     """Compile one configuration for one H200 (sm_90a, through ptxas); the
-    ptxas report of each Mosaic GPU kernel it holds."""
+    ptxas report of each Mosaic GPU kernel it holds. The compile-only H200 is
+    the default device (tokamax picks its GPU kernel from it)."""
     mesh = h200_mesh(ParallelConfig())
     specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P()))
              for s in config.arg_specs]
-    with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+            jax.default_device(mesh.devices.flat[0]):
         jax.jit(config.fn).lower(*specs).compile()
         return reports()
 

@@ -19,6 +19,10 @@ pipeline (and, with the Pallas backend, Mosaic GPU and ptxas), with
                        outputs and temporaries <= the target's device memory.
     collectives        the schedule (k3jax.hlo_schedule), in order.
     kernels            each Mosaic GPU kernel's ptxas report (Pallas backend).
+    peer_kernels       the peer, tokamax.ragged_dot's Mosaic GPU kernel, compiled
+                       for the shapes of each of our grouped launches (Pallas
+                       backend; k3jax.kernel_ptxas.tokamax_peer_reports): a
+                       labelled comparison, not part of the layer.
     flops, bytes_accessed  XLA's HloCostAnalysis of the compiled module (dots,
                        elementwise and memory traffic of XLA's own ops; Mosaic
                        kernels are custom calls it does not see into).
@@ -48,6 +52,7 @@ from k3jax.aot import (
 )
 from k3jax.config import K3Config
 from k3jax.hlo_schedule import ScheduledCollective, collective_schedule, collective_table
+from k3jax.kernel_ptxas import PeerKernel, grouped_launches, tokamax_peer_reports
 from k3jax.layout import ParallelConfig, make_layout
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.modules.moe import ExpertStorage
@@ -74,6 +79,7 @@ class CompileReport:
     device_memory_bytes: int         # the target's
     collectives: tuple[ScheduledCollective, ...]
     kernels: tuple[PtxasReport, ...]
+    peer_kernels: tuple[PeerKernel, ...]
     flops: float
     bytes_accessed: float
     compile_seconds: float
@@ -107,6 +113,7 @@ class CompileReport:
             "collectives": collective_table(list(self.collectives)),
             "kernels": [{"name": k.name, "registers": k.registers, "spill_bytes": k.spill_bytes,
                          "smem_bytes": k.smem_bytes, "grid": list(k.grid)} for k in self.kernels],
+            "peer_kernels": [_peer_dict(p) for p in self.peer_kernels],
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "target": target_summary(),
@@ -115,6 +122,17 @@ class CompileReport:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+def _peer_dict(p: PeerKernel) -> dict[str, Any]:
+    """One peer_kernels entry: the peer, our launch it stands beside, its ptxas
+    report (or the peer's error for shapes it rejects)."""
+    out: dict[str, Any] = {"peer": p.peer, "for": dataclasses.asdict(p.launch)}
+    if p.report is None:
+        return {**out, "error": p.error}
+    return {**out, "name": p.report.name, "registers": p.report.registers,
+            "spill_bytes": p.report.spill_bytes, "smem_bytes": p.report.smem_bytes,
+            "grid": list(p.report.grid)}
 
 
 def target_summary() -> dict[str, Any]:
@@ -186,9 +204,11 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
 
     t0 = time.perf_counter()
     with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = fn.lower(state, x_TD).compile()
+        traced = fn.trace(state, x_TD)
+        compiled = traced.lower().compile()
         kernels = tuple(reports())
     seconds = time.perf_counter() - t0
+    peers = tuple(tokamax_peer_reports(grouped_launches(traced.jaxpr))) if kernels else ()
 
     mem = compiled.memory_analysis()
     x_bytes = math.prod(x_sharding.shard_shape(x_TD.shape)) * jnp.dtype(dtype).itemsize
@@ -204,6 +224,7 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
                          planner_weight_bytes=planner, model_weight_bytes=model,
                          device_memory_bytes=target_summary()["device_memory_bytes"],
                          collectives=tuple(collective_schedule(text)), kernels=kernels,
+                         peer_kernels=peers,
                          flops=flops, bytes_accessed=bytes_accessed, compile_seconds=seconds,
                          hlo_text=text)
 

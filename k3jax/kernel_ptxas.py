@@ -2,6 +2,8 @@
 for one H200 without a GPU (deviceless, via k3jax.aot).
 
     reports = ptxas_reports(fn, *abstract_args)   # [PtxasReport, ...]
+    launches = grouped_launches(jax.jit(fn).trace(*args).jaxpr)
+    peers = tokamax_peer_reports(launches)       # [PeerKernel, ...]
 
 The compile runs with the compile-only H200 as the default device and its
 abstract mesh in scope: kernels that read the SM count (``get_num_sms``) or
@@ -11,10 +13,12 @@ Processes must run with JAX_PLATFORMS=cpu (see k3jax/aot.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from k3jax.aot import PtxasReport, h200_topology, ptxas_dump
 
@@ -44,4 +48,87 @@ def tokamax_ragged_dot_reports(m: int, k: int, n: int, num_groups: int,
                          jax.ShapeDtypeStruct((num_groups,), jnp.int32))
 
 
-__all__ = ["ptxas_reports", "tokamax_ragged_dot_reports"]
+@dataclasses.dataclass(frozen=True)
+class GroupedLaunch:
+    """One launch of our Mosaic grouped kernel (grouped_matmul_m* /
+    grouped_situ_glu_m*, situ_mlp_up included) in a traced program: its
+    operand shapes as the kernel receives them (per device inside shard_map;
+    x padded to whole tiles only when it has fewer rows than one tile or a
+    row count not a multiple of 8). dtype: the inputs' (float32 runs as two
+    bf16 planes)."""
+
+    kernel: str
+    m: int
+    k: int
+    n: int
+    groups: int
+    num_weights: int
+    dtype: str
+
+
+# The primitive plgpu.kernel binds (jax 0.11.2); its "name" param is our kernel_name.
+_MOSAIC_KERNEL_PRIMITIVE = "mpmd_map"
+_GROUPED_KERNELS = ("grouped_matmul_m", "grouped_situ_glu_m")
+
+
+def grouped_launches(jaxpr: jax_core.Jaxpr) -> list[GroupedLaunch]:
+    """Our grouped kernels' launches in ``jaxpr`` (nested jaxprs included:
+    jit, shard_map, custom_vjp, control flow), distinct shapes in program order."""
+    found: dict[GroupedLaunch, None] = {}
+
+    def walk(jp: jax_core.Jaxpr) -> None:
+        for eqn in jp.eqns:
+            name = eqn.params.get("name") if eqn.primitive.name == _MOSAIC_KERNEL_PRIMITIVE else None
+            if isinstance(name, str) and name.startswith(_GROUPED_KERNELS):
+                avals = [v.aval for v in eqn.invars]
+                x = next(a for a in avals if a.ndim == 2 and a.dtype != jnp.int32)
+                ws = [a for a in avals if a.ndim == 3]
+                planes = 2 if avals.count(x) == 2 else 1
+                found[GroupedLaunch(kernel=name, m=x.shape[0], k=x.shape[1], n=ws[0].shape[2],
+                                    groups=ws[0].shape[0], num_weights=len(ws) // planes,
+                                    dtype="float32" if planes == 2 else jnp.dtype(x.dtype).name
+                                    )] = None
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr)
+    return list(found)
+
+
+TOKAMAX_PEER = "tokamax.ragged_dot (Mosaic GPU, tokamax 0.0.17)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerKernel:
+    """A peer library's kernel compiled for the shapes of one of our launches:
+    ``launch.num_weights`` calls of it replace our launch (the fused gate/up
+    is two ragged_dots, then the SiTU in XLA: pallas_kernels.peers).
+    report is None when the peer rejected the shapes (error: its message)."""
+
+    peer: str
+    launch: GroupedLaunch
+    report: PtxasReport | None
+    error: str | None = None
+
+
+def tokamax_peer_reports(launches: list[GroupedLaunch]) -> list[PeerKernel]:
+    """tokamax.ragged_dot's Mosaic GPU kernel compiled (one H200, sm_90a) for
+    each launch's x [m, k] @ w [groups, k, n] in the launch's dtype; a shape
+    tokamax rejects (e.g. K not a multiple of its 64-wide tiles) gives an
+    entry with the error instead."""
+    out = []
+    for launch in launches:
+        try:
+            reports = tokamax_ragged_dot_reports(launch.m, launch.k, launch.n, launch.groups,
+                                                 jnp.dtype(launch.dtype))
+        except (ValueError, NotImplementedError) as e:  # tokamax's "cannot do this shape"
+            out.append(PeerKernel(TOKAMAX_PEER, launch, None, f"{type(e).__name__}: {e}"))
+            continue
+        out += [PeerKernel(TOKAMAX_PEER, launch, report) for report in reports]
+    return out
+
+
+__all__ = ["GroupedLaunch", "PeerKernel", "TOKAMAX_PEER", "grouped_launches", "ptxas_reports",
+           "tokamax_peer_reports", "tokamax_ragged_dot_reports"]

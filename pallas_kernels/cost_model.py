@@ -45,6 +45,8 @@ COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
 SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
+SM_FILL_TARGET = 0.9  # issue 12: every MLP launch fills >= 90% of the SMs
+SPLIT_FILL_SCREEN = 0.85  # mlp_candidates: split-K factors whose equal tiles fill less are skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,12 @@ def _tile_order(num_items: int, num_n_blocks: int, grid_block_n: int) -> np.ndar
     return np.asarray(snake(lin))
 
 
+@functools.lru_cache(maxsize=256)
+def _static_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
+    """The kernel's table for concrete sizes (mosaic_sm90.schedule), once per shape."""
+    return np.asarray(mosaic_sm90.schedule(np.asarray(sizes, np.int32), num_rows, block_m))
+
+
 # The kernel's schedule function, compiled once per (num_rows, block_m).
 _schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
 
@@ -115,7 +123,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     num_out = cfg.num_outputs(num_weights)
     with mosaic_sm90.host_eval():
         if static_sizes:
-            meta = np.asarray(mosaic_sm90.schedule(sizes.astype(np.int32), m, cfg.block_m))
+            meta = _static_schedule(tuple(int(v) for v in sizes), m, cfg.block_m)
         else:
             meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_m))
     group_W, offset_W, count_W = meta[0], meta[2], meta[3]
@@ -133,9 +141,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_m * cfg.block_k * in_bytes, 0)
     w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n
                                        * in_bytes, 0)
-    # Stores: the item's rows; split-K partials: every consumer's whole 64-row slice.
-    stored_W = (np.where(count_W > 0, cfg.block_m, 0) if split_k > 1 else count_W)
-    o_SW = np.broadcast_to(stored_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
+    # Stores: the item's rows (split-K: f32 partials, one per weight and K range).
+    o_SW = np.broadcast_to(count_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
     # HBM traffic of a tile: its weights when it is its group's first item
     # (later items of the group re-read them from L2), its share of x (read
     # from HBM once; the other N-blocks' re-reads hit L2) and its stores.
@@ -181,30 +188,66 @@ def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
                         static_sizes=True)
 
 
-def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
-                    num_sms: int = H200_NUM_SMS) -> mosaic_sm90.TileConfig:
-    """The tiles situ_mlp_up launches: default_config's tile for G = 1 (at its
-    block_n or half of it), or split-K S >= 2 on one-consumer tiles (FUSED_DECODE at its block_n or half:
-    the two-consumer tiles spill registers with split-K), whichever this model
-    predicts fastest; split-K only wins where the tiles leave SMs idle (the
-    f32 partials cost a write and a read)."""
-    base = mosaic_sm90.default_config(tokens, 1, 2)
-    split = mosaic_sm90.FUSED_DECODE
-    costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
-    with mosaic_sm90.host_eval():
-        for cfg in (base, dataclasses.replace(base, block_n=base.block_n // 2)):
-            costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg, num_sms=num_sms), cfg))
-        for block_n in (split.block_n, split.block_n // 2):  # narrower N: finer tiles
-            for split_k in range(2, -(-d // split.block_k) + 1):
-                cfg = dataclasses.replace(split, block_n=block_n, split_k=split_k)
+def _uniform_fill(tiles: int, num_sms: int) -> float:
+    """SM fill of ``tiles`` equal tiles on num_sms CTAs (the model's upper bound)."""
+    return tiles / (num_sms * -(-tiles // num_sms))
+
+
+def mlp_candidates(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+                   num_sms: int = H200_NUM_SMS) -> list[mosaic_sm90.TileConfig]:
+    """The tile configurations best_mlp_config weighs for situ_mlp_up: the
+    one-consumer fused tile (FUSED_DECODE) at block_n 128, 64 or 32, and the
+    two-consumer one (FUSED_PREFILL) at 64 unsplit or 32 with split-K
+    (block_n 32 only with f32 split-K partials: output rows of 128 bytes);
+    unsplit or split-K S >= 2 for every S whose K ranges keep >= the
+    pipeline's stages and whose equal tiles could fill >= SPLIT_FILL_SCREEN
+    of the SMs (S <= 4 always). Two consumers run at ptxas's 168-register cap
+    for 3 warpgroups; with split-K they spilled (sm_90a, 2026-12-01) at
+    block_n 128 (48 B, tp 4 T 512) and 64 (24-188 B, tp 4 T 512, tp 8 T 128
+    and 512), not at 32."""
+    out = []
+    for tile, widths in ((mosaic_sm90.FUSED_DECODE, (128, 64, 32)),
+                         (mosaic_sm90.FUSED_PREFILL, (64, 32))):
+        for block_n in widths:
+            for split_k in range(1, 2 * H200_NUM_SMS):
+                if tile.num_compute_wgs > 1 and (split_k > 1) != (block_n == 32):
+                    continue
+                cfg = dataclasses.replace(tile, block_n=block_n, split_k=split_k)
                 try:
-                    costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,
-                                           num_sms=num_sms), cfg))
+                    launch = mosaic_sm90.plan_launch(tokens, d, f, 1, 2, dtype, dtype, cfg)
                 except ValueError:  # K ranges shorter than the pipeline: no larger split
                     break
+                out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
+                if launch.cfg.block_n != block_n or block_n * out_bytes < 128:
+                    continue  # fitted to another width (listed there), or output
+                    # rows under 128 bytes (row-offset TMA stores need 128-byte rows)
+                tiles = -(-tokens // launch.cfg.block_m) * launch.num_n_blocks * split_k
+                if split_k <= 4 or _uniform_fill(tiles, num_sms) >= SPLIT_FILL_SCREEN:
+                    out.append(cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=128)
+def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+                    num_sms: int = H200_NUM_SMS) -> mosaic_sm90.TileConfig:
+    """The tiles situ_mlp_up launches, from mlp_candidates: the fastest
+    predicted launch that fills >= SM_FILL_TARGET of the SMs (issue 12's
+    target); if none does, within SPLIT_TIE of the fastest, the fullest launch
+    (then the fewest splits): the model's per-SM bandwidth share is its least
+    certain part. Split-K only wins where the tiles leave SMs idle (the f32
+    partials cost a write and a read)."""
+    costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
+    with mosaic_sm90.host_eval():
+        for cfg in mlp_candidates(tokens, d, f, dtype=dtype, num_sms=num_sms):
+            try:
+                costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,
+                                       num_sms=num_sms), cfg))
+            except ValueError:  # K ranges shorter than the fitted pipeline
+                continue
     fastest = min(cost.predicted_us for cost, _ in costs)
-    # Within SPLIT_TIE of the fastest, the fullest launch (then the fewest splits):
-    # the model's per-SM bandwidth share is its least certain part.
+    full = [(cost, cfg) for cost, cfg in costs if cost.sm_fill >= SM_FILL_TARGET]
+    if full:
+        return min(full, key=lambda c: (c[0].predicted_us, c[1].split_k))[1]
     near = [(cost, cfg) for cost, cfg in costs if cost.predicted_us <= fastest * (1 + SPLIT_TIE)]
     return max(near, key=lambda c: (round(c[0].sm_fill, 2), -c[1].split_k))[1]
 
@@ -226,6 +269,6 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
+__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "mlp_candidates", "SM_FILL_TARGET", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
            "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
            "xla_ragged_dot_dense_s"]

@@ -1,8 +1,9 @@
 """Every Mosaic GPU kernel configuration compiles for the H200 (sm_90a) through
 ptxas without a GPU, with 0 spill bytes: the configurations
 benchmarks/gpu_kernels.py times (grouped sweep, jax's Mosaic ragged_dot peers,
-MLP sweep) and every distinct kernel of benchmarks/gpu_kernel_checks.py
-(benchmarks/compile_table.py lists them). The ptxas is the nvidia-cuda-nvcc
+MLP sweep), tokamax.ragged_dot at the headline shapes (5 configurations, 12-25 s
+each on the loaded machine) and every distinct kernel of
+benchmarks/gpu_kernel_checks.py (benchmarks/compile_table.py lists them). The ptxas is the nvidia-cuda-nvcc
 wheel's (k3jax.aot.pin_wheel_ptxas).
 
 A configuration that spills today is named in KNOWN_SPILLS with the reason
@@ -28,21 +29,12 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
-# Measured 2026-12-01 after issue 12's kernel changes (benchmarks/compile_table.py
-# --kernels; BENCHMARKS.md): every k3jax decode and MLP tile is spill-free now.
-_FUSED_PREFILL = ("k3jax grouped_situ_glu prefill tile (2 consumers x two 64x128 f32 "
-                  "accumulators, 168 registers): 52 B + 52 B of spill at these row counts only "
-                  "(shape-dependent; the other prefill rows compile without)")
+# Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md):
+# every k3jax tile is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")
 KNOWN_SPILLS: dict[str, str] = {
-    "gate_up_situ ep=16 tokens=4096": _FUSED_PREFILL,
-    "gate_up_situ ep=8 tokens=16384": _FUSED_PREFILL,
     **{f"down ep=8 tokens={t} (peer: jax Mosaic)": _PEER for t in (1024, 4096, 16384)},
-    "check situ_glu m=1024 k=512 n=512 g=4 bfloat16": ("a correctness case (K 512): the fused "
-                                                        "prefill tile, 12 B + 20 B"),
-    "check situ_glu m=1024 k=512 n=512 g=4 float32": ("a correctness case, float32 (bf16x3: "
-                                                       "two planes per operand): 296 B"),
 }
 
 CONFIGS = {c.name: c for c in compile_table.kernel_configs()}
@@ -54,13 +46,15 @@ def reports(name: str) -> tuple[PtxasReport, ...]:
 
 
 def test_the_configuration_list_is_the_benchmarks():
-    """87 configurations: 36 grouped, 18 peers, 15 MLP, 18 check kernels (14 at commit
-    3233f01; issue 12 added the >= 1000-tile, 3-CTA and split-K cases)."""
+    """92 configurations: 36 grouped, 18 jax Mosaic peers, 15 MLP, 5 tokamax peers
+    (issue 12), 18 check kernels (14 at commit 3233f01; issue 12 added the
+    >= 1000-tile, 3-CTA and split-K cases)."""
     names = list(CONFIGS)
     assert len(names) == len(set(names))
     assert sum(n.startswith(("gate_up_situ", "down")) and "peer" not in n for n in names) == 36
     assert sum("(peer: jax Mosaic)" in n for n in names) == 18
-    assert sum(n.startswith("situ_mlp_up") for n in names) == 15
+    assert sum("(peer: tokamax)" in n for n in names) == 5
+    assert sum(n.startswith("situ_mlp_up") and "peer" not in n for n in names) == 15
     assert sum(n.startswith("check ") for n in names) == 18
     assert set(KNOWN_SPILLS) <= set(CONFIGS), set(KNOWN_SPILLS) - set(CONFIGS)
 

@@ -36,6 +36,7 @@ from k3jax import K3, TINY, MlpMode, ParallelConfig, SharedOverlap, make_layout
 from k3jax.aot import OVERLAP_COMPILER_OPTIONS
 from k3jax.compile import CompileReport, compile_layer
 from k3jax.hlo_schedule import in_scope
+from k3jax.kernel_ptxas import TOKAMAX_PEER
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
 from layout_cases import LAYOUTS, MULTI_DEVICE, UNOVERLAPPED
 
@@ -85,8 +86,14 @@ def test_compiled_bytes_are_the_planners(name, layer, backend, tokens):
     assert r.fits_h200 is False
     assert r.flops > 0 and r.bytes_accessed > 0
     assert (len(r.kernels) > 0) is (backend == "pallas")
-    for k in r.kernels:
-        assert k.registers <= 255 and 0 < k.smem_bytes <= 232_448, k
+    for k in r.kernels:   # issue 12: every kernel of the layer compiles without spills
+        assert k.registers <= 255 and 0 < k.smem_bytes <= 232_448 and k.spill_bytes == 0, k
+    # tokamax.ragged_dot, the peer, compiled for each of our grouped launches' shapes
+    assert (len(r.peer_kernels) > 0) is (backend == "pallas")
+    ours = {k.name.rsplit("_", 1)[0] for k in r.kernels}
+    for p in r.peer_kernels:
+        assert p.peer == TOKAMAX_PEER and p.launch.kernel in ours, (p, ours)
+        assert p.report is not None and 0 < p.report.registers <= 255, p
 
 
 def _shared(c) -> bool:

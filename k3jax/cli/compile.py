@@ -148,3 +148,21 @@ def print_report(report, file=None) -> None:
             ktable.add_row(k.name, str(k.registers), str(k.spill_bytes), f"{k.smem_bytes:,}",
                            "x".join(map(str, k.grid)))
         console.print(ktable)
+    if report.peer_kernels:
+        ptable = Table(title=f"Peer, not part of the layer: {report.peer_kernels[0].peer}, "
+                             f"compiled for our grouped launches' shapes (ptxas, sm_90a)")
+        for column, justify in (("for our kernel", "left"), ("x [m, k] @ w [G, k, n]", "left"),
+                                ("peer kernel", "left"), ("registers", "right"),
+                                ("spill bytes", "right"), ("SMEM bytes", "right"),
+                                ("grid", "left")):
+            ptable.add_column(column, justify=justify)
+        for p in report.peer_kernels:
+            shape = (f"[{p.launch.m}, {p.launch.k}] @ [{p.launch.groups}, {p.launch.k}, "
+                     f"{p.launch.n}] x{p.launch.num_weights} {p.launch.dtype}")
+            if p.report is None:
+                ptable.add_row(p.launch.kernel, shape, f"rejected: {p.error}", "", "", "", "")
+                continue
+            ptable.add_row(p.launch.kernel, shape, p.report.name, str(p.report.registers),
+                           str(p.report.spill_bytes), f"{p.report.smem_bytes:,}",
+                           "x".join(map(str, p.report.grid)))
+        console.print(ptable)

@@ -135,9 +135,13 @@ _SMEM_RESERVE = 1024  # barriers and alignment
 #   8 x 24 KiB + 16 KiB = 208 KiB.
 # Prefill (>= 128 rows per expert on average, compute bound): two consumer
 #   warpgroups share each weight tile over a 128-row x tile, doubling the
-#   MMA work per byte loaded: fused 4 x 48 KiB + 32 KiB = 224 KiB (two
-#   64x128 f32 accumulators = 128 registers/thread per consumer); plain uses
-#   256-wide N (one 64x256 accumulator per consumer), 3 x 48 KiB + 64 KiB.
+#   MMA work per byte loaded: fused 64-wide N, 4 x 32 KiB + 16 KiB = 144 KiB
+#   (two 64x64 f32 accumulators per consumer; at 128-wide N the two 64x128
+#   accumulators, 128 registers/thread, sit at ptxas's 168-register cap for
+#   3 warpgroups and spilled 12-52 B at EP 16 / 4096 and EP 8 / 16384 tokens
+#   and K 512, at 2 to 4 stages; 64-wide at 5 or 6 stages spilled 8-40 B at
+#   K 512); plain uses 256-wide N (one 64x256 accumulator per consumer),
+#   3 x 48 KiB + 64 KiB.
 # Between them, taller tiles keep a whole group in one item (its weights read
 # once per N-block): 2 consumers x 64 rows (the prefill tiles) and 3
 # consumers x 64 rows (4 warpgroups: <= 128 registers a thread, so fused
@@ -146,7 +150,7 @@ _SMEM_RESERVE = 1024  # barriers and alignment
 # (e.g. plain 2 x 64 x 128 tiles spilled 8-56 bytes at 4-6 stages).
 FUSED_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=5)
 PLAIN_DECODE = TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=8)
-FUSED_PREFILL = TileConfig(num_compute_wgs=2, block_n=128, max_concurrent_steps=4)
+FUSED_PREFILL = TileConfig(num_compute_wgs=2, block_n=64, max_concurrent_steps=4)
 PLAIN_PREFILL = TileConfig(num_compute_wgs=2, block_n=256, max_concurrent_steps=3)
 FUSED_TALL = TileConfig(num_compute_wgs=3, block_n=64, max_concurrent_steps=5)
 PLAIN_TALL = TileConfig(num_compute_wgs=3, block_n=128, max_concurrent_steps=3)
@@ -267,9 +271,13 @@ def schedule(group_sizes_G, num_rows: int, block_m: int) -> jax.Array:
     used items (so the persistent loop has no idle tiles to spread)."""
     if not isinstance(group_sizes_G, np.ndarray):
         return work_items_4W(group_sizes_G, num_rows, block_m)
-    with host_eval():
-        meta = np.asarray(work_items_4W(jnp.asarray(group_sizes_G, jnp.int32), num_rows, block_m))
+    with host_eval():  # one compiled computation (eager ops compile one by one: seconds)
+        meta = np.asarray(_work_items_4W_jit(jnp.asarray(group_sizes_G, jnp.int32), num_rows,
+                                             block_m))
     return jnp.asarray(meta[:, :max(int(np.count_nonzero(meta[3])), 1)])
+
+
+_work_items_4W_jit = jax.jit(work_items_4W, static_argnums=(1, 2))
 
 
 def active_warpgroups(offset, count, cfg: TileConfig):
@@ -343,8 +351,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
 
     epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
     split_k = S (one group), the outputs are f32 partials [S * X, N], X =
-    x_rows(M, block_m): K range s writes whole 64-row slices at rows s * X +
-    tile row (rows past the group's end hold garbage; the caller masks them).
+    x_rows(M, block_m): K range s writes the item's rows at rows s * X + row
+    (rows no item covers are never written; the caller reads rows < M only
+    and masks the tail rows past sum(group_sizes)).
     Every warpgroup walks the same (K range, work item, N-block) sequence, so
     the producer and the consumers always agree on which tiles run a pipeline.
     """
@@ -391,15 +400,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                     for o, tile in enumerate(tiles):
                         o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
                     plgpu.commit_smem()
+                    # split-K: K range ``split`` writes its f32 partial rows at
+                    # split * x_rows_pad + row (the padded partials).
+                    row0 = x_row0 + wg * wg_m + (split * x_rows_pad if split_k > 1 else 0)
                     for o, o_gmem in enumerate(o_gmems):
-                        if split_k > 1:  # whole 64-row slices into the padded partials
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[o * cfg.num_compute_wgs + wg],
-                                o_gmem.at[pl.ds(split * x_rows_pad + x_row0 + wg * wg_m, wg_m),
-                                          pl.ds(n_block * cfg.block_n, cfg.block_n)])
-                            continue
                         _store_rows(o_smem.at[o * cfg.num_compute_wgs + wg], o_gmem,
-                                    row0=x_row0 + wg * wg_m, offset=lo,
+                                    row0=row0, offset=lo,
                                     count=hi - lo, col0=n_block * cfg.block_n,
                                     block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
 
@@ -559,6 +565,10 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     block_n = _fit_block(n, cfg.block_n, min_n) or _padded_block(n, cfg.block_n, min_n)
     cfg = dataclasses.replace(cfg, block_k=block_k, block_n=block_n)
     cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes, min_n)
+    if planes == 2 and cfg.num_compute_wgs > 1:
+        # float32 on two consumers: 3 stages (what fits) spilled 296 B in ptxas
+        # for sm_90a (K 512, block_n 64); 2 compile without.
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=2)
     launch = LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m),
                         k_pad=_round_up(k, block_k), n_pad=_round_up(n, cfg.block_n))
     if cfg.split_k > 1 and num_groups != 1:

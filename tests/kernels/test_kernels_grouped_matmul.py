@@ -89,10 +89,11 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
 
 # float32 inputs on the prefill tiles (>= 128 rows per group): two bf16 planes per
 # element, so fit_smem shrinks the tiles as at K3 shapes (K = 64 = one full
-# block_k): the fused tile to block_n 64 / 3 stages, the plain one to block_n 128
-# / 2 stages. Sum < M with NaN tail rows; N = 128 spans two fused N-blocks.
+# block_k): the fused tile to 3 stages, then 2 (plan_launch: float32 on two
+# consumers, 3 stages spilled in ptxas), the plain one to block_n 128 / 2
+# stages. Sum < M with NaN tail rows; N = 128 spans two fused N-blocks.
 F32_PREFILL_CASES = {
-    "fused": ((400, 64, 128, 2, "sum_lt_m", F32, True), (64, 3)),
+    "fused": ((400, 64, 128, 2, "sum_lt_m", F32, True), (64, 2)),
     "plain": ((400, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
 }
 
@@ -275,12 +276,13 @@ def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
     assert mosaic_sm90.default_config(256 * 112, 112, 2) == mosaic_sm90.FUSED_PREFILL
     assert mosaic_sm90.default_config(128, 1, 2) == mosaic_sm90.FUSED_PREFILL  # one group: exact
     # Mosaic's own SMEM check agrees with smem_bytes: one stage too many fails to
-    # lower (bf16), and so do the unshrunk prefill tiles with float32 planes.
-    too_deep = dataclasses.replace(mosaic_sm90.FUSED_PREFILL, max_concurrent_steps=5)
+    # lower (bf16), and so do the unshrunk decode tiles with float32 planes (the
+    # two-consumer ones drop to 2 stages for float32 in plan_launch).
+    too_deep = dataclasses.replace(mosaic_sm90.FUSED_PREFILL, max_concurrent_steps=7)
     assert too_deep.smem_bytes(2, 2, 2) > limit
     monkeypatch.setattr(mosaic_sm90, "fit_smem", lambda cfg, *_: cfg)
     S = jax.ShapeDtypeStruct
-    for cfg, dtype in [(too_deep, BF16), (mosaic_sm90.FUSED_PREFILL, F32)]:
+    for cfg, dtype in [(too_deep, BF16), (mosaic_sm90.FUSED_DECODE, F32)]:
         with pytest.raises(ValueError, match="shared memory"):
             kc.lower_for_sm90(
                 lambda x, a, b, s, cfg=cfg: mosaic_sm90.grouped_situ_glu(x, a, b, s, config=cfg,

@@ -43,12 +43,17 @@ def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
 
 
 # Split-K (f32 partials summed by XLA, SiTU after the sum): 16 K steps in 3
-# ranges of 5 / 5 / 6 steps (two pipeline lengths), rows past one tile.
+# ranges of 5 / 5 / 6 steps (two pipeline lengths), rows past one tile; each
+# K range stores only its items' rows. One consumer with 64-wide N, and the
+# two-consumer tile with 32-wide N (cost_model.best_mlp_config picks both at
+# K3 sizes), 200 rows: the second item is moved back to end at row 200.
+@pytest.mark.parametrize("wgs,block_n,t", [(1, 64, 72), (2, 32, 200)], ids=["1wg", "2wg"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_split_k_interpret_matches_reference(dtype):
-    t, d, f = 72, 1024, 128
+def test_split_k_interpret_matches_reference(dtype, wgs, block_n, t):
+    d, f = 1024, 128
     x, gate, up = _inputs(7, t, d, f, dtype)
-    cfg = grouped.TileConfig(block_n=64, max_concurrent_steps=2, split_k=3)
+    cfg = grouped.TileConfig(num_compute_wgs=wgs, block_n=block_n, max_concurrent_steps=2,
+                             split_k=3)
     out = jax.jit(lambda a, b, c: mosaic_sm90.situ_mlp_up(a, b, c, config=cfg, interpret=True,
                                                           **SITU))(x, gate, up)
     assert out.shape == (t, f) and out.dtype == dtype
