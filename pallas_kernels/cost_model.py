@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
 
 H200_NUM_SMS = 132
 DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
@@ -171,6 +171,130 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
         config={**dataclasses.asdict(cfg), "planes": planes})
 
 
+def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
+                num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """Model one launch of the transposed decode kernel (mosaic_sm90_decode):
+    weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
+    conventions as grouped_cost; "rows computed" counts the block_t token
+    columns of every matmul tile, and the output is the per-item transposed
+    tiles (whole tiles stored) plus XLA's gather of y (read and write M x N)."""
+    sizes = np.asarray(group_sizes_G, np.int64)
+    plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    cfg, planes = plan.cfg, plan.planes
+    in_bytes = 2 * planes
+    out_bytes = jnp.dtype(dtype).itemsize
+    with mosaic_sm90.host_eval():
+        meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_t))
+    group_W, count_W = meta[0], meta[3]
+    num_items = meta.shape[1]
+    n_blocks = plan.num_n_blocks
+    steps = plan.num_k_steps
+    products = 1 if planes == 1 else 3
+
+    matmul_W = (count_W > 0) & (group_W >= 0)
+    flops_W = np.where(matmul_W, steps * cfg.block_w * cfg.block_t * cfg.block_k * 2
+                       * num_weights * products, 0)
+    x_W = np.where(matmul_W, steps * cfg.block_t * cfg.block_k * in_bytes, 0)
+    w_W = np.where(matmul_W, steps * num_weights * cfg.block_k * cfg.block_w * in_bytes, 0)
+    o_W = np.where(matmul_W, cfg.block_w * cfg.block_t * out_bytes, 0)
+    first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
+    hbm_W = np.where(first_W, w_W, 0) + x_W / n_blocks + o_W
+    time_W = np.where(matmul_W, np.maximum(flops_W / (DENSE_BF16_FLOPS / num_sms),
+                                           hbm_W / (COPY_BYTES_PER_S / num_sms))
+                      + TILE_OVERHEAD_S, 0.0)
+    with mosaic_sm90.host_eval():
+        item_T = _tile_order(num_items, n_blocks, cfg.grid_block_n)
+    time_T = time_W[item_T]
+    cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
+    busiest = float(cta_time.max())
+    assemble_bytes = 2 * m * n * out_bytes  # XLA gathers y from the tiles
+    useful_rows = int(min(sizes.sum(), m))
+    active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
+    matmul_items = int(np.count_nonzero(matmul_W))
+    return KernelCost(
+        tiles=matmul_items * n_blocks,
+        sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        weight_bytes=float(w_W.sum() * n_blocks), x_bytes=float(x_W.sum() * n_blocks),
+        out_bytes=float(o_W.sum() * n_blocks + assemble_bytes),
+        weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,
+        rows_computed_per_useful_row=(float(matmul_items * cfg.block_t / useful_rows)
+                                      if useful_rows else 0.0),
+        flops=float(flops_W.sum() * n_blocks),
+        predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
+        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode"})
+
+
+# best_grouped_config: a decode launch within this of the fastest candidate is
+# preferred when it keeps x <= DECODE_X_OVER_W of the weight bytes (issue 12).
+DECODE_X_OVER_W = 0.10
+DECODE_TIE = 0.03
+
+
+def proxy_group_sizes(num_rows: int, num_groups: int) -> np.ndarray:
+    """Routed group sizes the launcher plans with (it sees traced sizes): a
+    fixed-seed uniform multinomial draw of num_rows rows over num_groups."""
+    rng = np.random.default_rng(0)
+    return rng.multinomial(num_rows, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
+
+
+def decode_candidates(m: int, n: int, num_groups: int,
+                      num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
+    """Decode tilings worth modelling: token tiles from the expected rows up
+    two steps of 8, widths whose accumulators take <= 128 registers a thread
+    and divide N (no weight padding); empty above MAX_DECODE_ROWS."""
+    rows = mosaic_sm90_decode.expected_rows(m, num_groups)
+    if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
+        return []
+    t0 = mosaic_sm90._round_up(max(int(np.ceil(rows)), 1), mosaic_sm90.X_ROW_ALIGN)
+    out = []
+    for block_t in range(t0, min(t0 + 16, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
+        for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
+            cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
+                                                  block_t=block_t)
+            if cfg.acc_registers(num_weights) <= 128 and n % cfg.block_w == 0:
+                out.append(cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
+                        dtype_name: str = "bfloat16",
+                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
+    """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
+    or None for mosaic_sm90's row-major default tiles, whichever this model
+    predicts fastest on proxy_group_sizes; a decode tiling within DECODE_TIE
+    of the fastest that keeps x <= DECODE_X_OVER_W of the weight bytes and
+    <= 1.05 weight reads per active expert wins over a faster one that does not."""
+    dtype = jnp.dtype(dtype_name)
+    sizes = proxy_group_sizes(m, num_groups)
+    with mosaic_sm90.host_eval():
+        costs = [(grouped_cost(sizes, m, k, n, num_weights, dtype=dtype, num_sms=num_sms), None)]
+        costs += [(decode_cost(sizes, m, k, n, num_weights, dtype=dtype, config=cfg,
+                               num_sms=num_sms), cfg)
+                  for cfg in decode_candidates(m, n, num_groups, num_weights)]
+    fastest = min(cost.predicted_us for cost, _ in costs)
+    lean = [(cost, cfg) for cost, cfg in costs
+            if cost.predicted_us <= fastest * (1 + DECODE_TIE)
+            and cost.x_bytes_over_weight_bytes <= DECODE_X_OVER_W
+            and cost.weight_reads_per_active_expert <= 1.05]
+    return min(lean or costs, key=lambda c: c[0].predicted_us)[1]
+
+
+def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                dtype=jnp.bfloat16, num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """The launch the grouped launcher runs for these shapes
+    (best_grouped_config), costed on the actual group_sizes_G, with the
+    kernel named in its config."""
+    decode = best_grouped_config(m, k, n, len(group_sizes_G), num_weights,
+                                 jnp.dtype(dtype).name, num_sms)
+    if decode is not None:
+        return decode_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, config=decode,
+                           num_sms=num_sms)
+    cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, num_sms=num_sms)
+    return dataclasses.replace(cost, config={**cost.config, "kernel": "mosaic_sm90"})
+
+
 def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
              config: mosaic_sm90.TileConfig | None = None,
              num_sms: int = H200_NUM_SMS) -> KernelCost:
@@ -227,5 +351,6 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
 
 
 __all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
-           "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
+           "TILE_OVERHEAD_S", "best_grouped_config", "decode_candidates", "decode_cost",
+           "grouped_cost", "launch_cost", "proxy_group_sizes", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
            "xla_ragged_dot_dense_s"]

@@ -70,6 +70,7 @@ class DecodeConfig:
     block_k: int = 64
     max_concurrent_steps: int = 6
     grid_block_n: int = 8
+    split_k: int = 1
     num_ctas: int | None = None  # persistent grid size; None: the device's SM count
 
     def __post_init__(self):
@@ -89,10 +90,16 @@ class DecodeConfig:
         """f32 accumulator registers per consumer thread."""
         return num_weights * self.wg_block_w * self.block_t // 128
 
+    def num_outputs(self, num_weights: int) -> int:
+        """Output tiles per tile: the epilogue's, or (split-K) one f32 partial per weight."""
+        return num_weights if self.split_k > 1 else 1
+
     def smem_bytes(self, num_weights: int, in_bytes: int, out_bytes: int) -> int:
-        """Pipeline stages (x tile + weight tiles) + the output tiles."""
+        """Pipeline stages (x tile + weight tiles) + the output tiles
+        (out_bytes: 4 with split-K)."""
         stage = (self.block_t + num_weights * self.block_w) * self.block_k * in_bytes
-        return self.max_concurrent_steps * stage + self.block_w * self.block_t * out_bytes
+        return (self.max_concurrent_steps * stage
+                + self.num_outputs(num_weights) * self.block_w * self.block_t * out_bytes)
 
 
 def expected_rows(num_rows: int, num_groups: int) -> float:
@@ -100,28 +107,6 @@ def expected_rows(num_rows: int, num_groups: int) -> float:
     multinomial routing (the whole of it for one group)."""
     mean = num_rows / num_groups
     return mean + (mosaic_sm90.ROUTING_SIGMAS * math.sqrt(mean) if num_groups > 1 else 0.0)
-
-
-def default_config(num_rows: int, num_groups: int, num_weights: int,
-                   n: int) -> DecodeConfig | None:
-    """The decode tiles for a launch, or None where the row-major kernel is
-    the better choice (groups expected to exceed MAX_DECODE_ROWS rows).
-
-    block_t: the expected rows plus the X_ROW_ALIGN start slack, rounded up
-    to 8. Width: two consumers of 128 weight columns for the plain product
-    (256 wide) and 2 x 64 per weight for the fused one (2 x 128 wide), i.e.
-    <= 64 + 32 accumulator registers at block_t 64, so x is <= 1/8 of the
-    weight bytes at block_t 32 (cost_model.decode_cost replays it).
-    """
-    rows = expected_rows(num_rows, num_groups)
-    if rows > MAX_DECODE_ROWS:
-        return None
-    block_t = min(MAX_DECODE_ROWS, mosaic_sm90._round_up(
-        int(math.ceil(rows)) + mosaic_sm90.X_ROW_ALIGN // 2, mosaic_sm90.X_ROW_ALIGN))
-    wg_block_w = 128 if num_weights == 1 else 64
-    del n
-    return DecodeConfig(num_compute_wgs=2, wg_block_w=wg_block_w, block_t=block_t,
-                        max_concurrent_steps=6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,16 +140,24 @@ def fit_smem(cfg: DecodeConfig, num_weights: int, in_bytes: int, out_bytes: int)
 def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dtype,
                 out_dtype, cfg: DecodeConfig) -> DecodePlan:
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] decode launch
-    (what the launcher runs; cost_model.decode_cost replays it)."""
+    (what the launcher runs; cost_model.decode_cost replays it). With
+    cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
+    at least max_concurrent_steps K steps (ValueError otherwise)."""
     planes = mosaic_sm90.num_planes(in_dtype)
     block_k = (mosaic_sm90._fit_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK)
                or mosaic_sm90._padded_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK))
     cfg = dataclasses.replace(cfg, block_k=block_k)
-    cfg = fit_smem(cfg, num_weights, 2 * planes, jnp.dtype(out_dtype).itemsize)
-    return DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
+    out_bytes = 4 if cfg.split_k > 1 else jnp.dtype(out_dtype).itemsize
+    cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes)
+    plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
                       k_pad=mosaic_sm90._round_up(k, block_k),
                       n_pad=mosaic_sm90._round_up(n, cfg.block_w),
                       num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t))
+    if cfg.split_k > 1 and plan.num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
+        raise ValueError(
+            f"split_k={cfg.split_k} leaves K ranges of {plan.num_k_steps // cfg.split_k} "
+            f"K steps, fewer than the {cfg.max_concurrent_steps} pipeline stages")
+    return plan
 
 
 def _swizzle_transforms(minor_elems: int, itemsize: int):
@@ -174,12 +167,13 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
 
 
 def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes: int,
-              num_k_steps: int):
+              num_k_steps: int, first_k_step=0):
     """Warp-specialized K pipeline of one tile: ``planes`` x tiles [block_t,
-    block_k] and num_w x ``planes`` weight tiles [block_k, block_w] per step."""
-    x_spec = plgpu.BlockSpec((cfg.block_t, cfg.block_k), lambda k: (0, k),
+    block_k] and num_w x ``planes`` weight tiles [block_k, block_w] per step,
+    K steps [first_k_step, first_k_step + num_k_steps)."""
+    x_spec = plgpu.BlockSpec((cfg.block_t, cfg.block_k), lambda k: (0, k + first_k_step),
                              transforms=_swizzle_transforms(cfg.block_k, 2))
-    w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_w), lambda k: (k, 0),
+    w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_w), lambda k: (k + first_k_step, 0),
                              transforms=_swizzle_transforms(cfg.block_w, 2))
     return plgpu.emit_pipeline_warp_specialized(
         step_fn, grid=(num_k_steps,),
@@ -190,34 +184,44 @@ def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig,
-               num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, o_T) with o_T
-    [N_pad, W * block_t] (item w's transposed tiles in columns w * block_t...)."""
+               num_k_steps: int, n_pad: int, out_dtype):
+    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, *o_Ts): each o_T is
+    [S * n_pad, W * block_t]; item w's transposed tiles fill its columns
+    [w * block_t, (w + 1) * block_t), K range s its rows [s * n_pad, (s + 1) * n_pad).
+
+    epilogue(*acc_tiles) -> tuple of output tiles (the SiTU, or with split-K
+    S > 1 the f32 products themselves: the caller sums and applies it).
+    Every warpgroup walks the same (K range, item, N-block) sequence.
+    """
     wg_w = cfg.wg_block_w
-    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes,
-                                     num_k_steps=num_k_steps)
+    split_k = cfg.split_k
+    num_out = cfg.num_outputs(num_w)
+    num_n_blocks = n_pad // cfg.block_w
+    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes)
     products = mosaic_sm90._PRODUCTS[planes]
 
     def body(meta_gmem, *refs):
         x_gmems, w_gmems = refs[:planes], refs[planes:planes + num_w * planes]
-        (o_gmem,) = refs[planes + num_w * planes:]
+        o_gmems = refs[planes + num_w * planes:]
         num_items = meta_gmem.shape[1]
 
         def ignore(*_, **__):
             return None
-        allocs = pipeline_for(ignore, ignore).get_allocations(
+        allocs = pipeline_for(ignore, ignore, num_k_steps=num_k_steps).get_allocations(
             *x_gmems, *[w.at[0] for w in w_gmems])
 
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_w, cfg.block_t), out_dtype),
+                           o_smem=plgpu.SMEM((num_out * cfg.num_compute_wgs, wg_w, cfg.block_t),
+                                             out_dtype),
                            collective_axes="wg")
         def _scope(allocs, o_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
-            @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
+            @plgpu.nd_loop((split_k * num_items * num_n_blocks,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
+                split, lin = jnp.divmod(info.index[0], num_items * num_n_blocks)
                 item, n_block = plgpu.planar_snake(
-                    info.index[0], (num_items, num_n_blocks), 1, cfg.grid_block_n)
+                    lin, (num_items, num_n_blocks), 1, cfg.grid_block_n)
                 group = meta_gmem[0, item]
                 x_row0 = meta_gmem[1, item]
                 count = meta_gmem[3, item]
@@ -241,47 +245,54 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
                     @functools.partial(pl.run_scoped, accs=accs)
                     def _acc_scope(accs):
                         run_pipeline(tuple(accs))
-                        tile = epilogue(*[acc[...] for acc in accs])
+                        tiles = epilogue(*[acc[...] for acc in accs])
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
-                        o_smem[wg] = tile.astype(out_dtype)
+                        for o, tile in enumerate(tiles):
+                            o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[wg],
-                            o_gmem.at[pl.ds(n_block * cfg.block_w + wg * wg_w, wg_w),
-                                      pl.ds(item * cfg.block_t, cfg.block_t)])
+                        for o, o_gmem in enumerate(o_gmems):
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[o * cfg.num_compute_wgs + wg],
+                                o_gmem.at[pl.ds(split * n_pad + n_block * cfg.block_w
+                                                + wg * wg_w, wg_w),
+                                          pl.ds(item * cfg.block_t, cfg.block_t)])
 
-                @pl.when((count > 0) & (group >= 0))
-                def _matmul():
-                    rows = pl.ds(pl.multiple_of(x_row0, mosaic_sm90.X_ROW_ALIGN), cfg.block_t)
-                    cols = pl.ds(n_block * cfg.block_w, cfg.block_w)
-                    pipeline_for(mma, compute_context)(
-                        *[x.at[rows, :] for x in x_gmems],
-                        *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
-                        allocations=allocs)
+                first, steps = mosaic_sm90.k_range(split, num_k_steps, split_k)
+                # K ranges have one of <= 2 static lengths: one pipeline each.
+                for length in sorted({mosaic_sm90.k_range(s, num_k_steps, split_k)[1]
+                                      for s in range(split_k)}):
+                    @pl.when((count > 0) & (group >= 0) & (steps == length))
+                    def _matmul(length=length):
+                        rows = pl.ds(pl.multiple_of(x_row0, mosaic_sm90.X_ROW_ALIGN),
+                                     cfg.block_t)
+                        cols = pl.ds(n_block * cfg.block_w, cfg.block_w)
+                        pipeline_for(mma, compute_context, num_k_steps=length,
+                                     first_k_step=first)(
+                            *[x.at[rows, :] for x in x_gmems],
+                            *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                            allocations=allocs)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return body
 
 
-def assemble(o_T, meta_4W, num_rows: int, n: int, block_t: int, out_dtype):
-    """y [num_rows, n] from the per-item transposed tiles o_T [N_pad, W * block_t]:
-    row r reads column w * block_t + r - x_row0[w] of the item w holding it;
-    rows of the tail segment (past sum(sizes)) are 0."""
+def row_columns(meta_4W, num_rows: int, block_t: int):
+    """(column of out^T holding row r, row r is valid) for r in [0, num_rows):
+    row r lives in the item w whose rows hold it, at column w * block_t + r -
+    x_row0[w]; rows of the tail segment (past sum(sizes)) are not valid."""
     group_W, x_row0_W, offset_W, count_W = meta_4W
     # Used items cover [0, num_rows) in row order; unused ones (count 0) sort last.
     end_W = jnp.where(count_W > 0, x_row0_W + offset_W + count_W, num_rows + 1)
     r_M = jnp.arange(num_rows, dtype=jnp.int32)
     item_M = jnp.searchsorted(end_W, r_M, side="right", method="compare_all").astype(jnp.int32)
     item_M = jnp.minimum(item_M, end_W.shape[0] - 1)
-    col_M = item_M * block_t + r_M - x_row0_W[item_M]
-    y_MN = jnp.take(o_T, col_M, axis=1, mode="clip").T[:, :n]
-    valid_M1 = (group_W[item_M] >= 0)[:, None]
-    return jnp.where(valid_M1, y_MN, 0).astype(out_dtype)
+    return item_M * block_t + r_M - x_row0_W[item_M], group_W[item_M] >= 0
 
 
 def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, interpret):
-    """Launcher: fit, pad, schedule, run the transposed kernel, assemble y."""
+    """Launcher: fit, pad, schedule, run the transposed kernel, assemble y
+    (split-K: sum the f32 partials of each row's column, then the epilogue)."""
     m, k = x_MK.shape
     num_groups, _, n = w_GKNs[0].shape
     num_w = len(w_GKNs)
@@ -291,6 +302,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
         return jnp.zeros((m, n), out_dtype)
     plan = plan_launch(m, k, n, num_groups, num_w, in_dtype, out_dtype, cfg)
     cfg, planes = plan.cfg, plan.planes
+    split_k = cfg.split_k
     pad = mosaic_sm90._pad_axis
     x_planes = mosaic_sm90._to_planes(pad(pad(x_MK, 0, plan.x_rows), 1, plan.k_pad),
                                       in_dtype, planes)
@@ -298,12 +310,17 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
                 for p in mosaic_sm90._to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.n_pad),
                                                 in_dtype, planes)]
     meta_4W = mosaic_sm90.schedule(group_sizes_G, m, cfg.block_t)
-    body = _make_body(epilogue=epilogue, num_w=num_w, planes=planes, cfg=cfg,
-                      num_k_steps=plan.num_k_steps, num_n_blocks=plan.num_n_blocks,
-                      out_dtype=out_dtype)
+    if split_k > 1:
+        kernel_epilogue, kernel_dtype = (lambda *accs: accs), jnp.float32
+    else:
+        kernel_epilogue, kernel_dtype = (lambda *accs: (epilogue(*accs),)), out_dtype
+    body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg,
+                      num_k_steps=plan.num_k_steps, n_pad=plan.n_pad, out_dtype=kernel_dtype)
+    o_type = jax.ShapeDtypeStruct((split_k * plan.n_pad, meta_4W.shape[1] * cfg.block_t),
+                                  kernel_dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((plan.n_pad, meta_4W.shape[1] * cfg.block_t), out_dtype),
+        out_type=[o_type] * cfg.num_outputs(num_w),
         grid=(cfg.num_ctas or mosaic_sm90._num_sms(interpret),),
         grid_names=("sm",),
         num_threads=cfg.num_compute_wgs + 1,
@@ -314,8 +331,13 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_sm90._interpret_params(interpret),
     )
-    o_T = kernel(meta_4W, *x_planes, *w_planes)
-    return assemble(o_T, meta_4W, m, n, cfg.block_t, out_dtype)
+    o_Ts = kernel(meta_4W, *x_planes, *w_planes)
+    col_M, valid_M = row_columns(meta_4W, m, cfg.block_t)
+    # [S, n_pad, C] -> the rows' columns [S, n, M], summed over the K ranges.
+    rows_NM = [jnp.take(o.reshape(split_k, plan.n_pad, -1)[:, :n], col_M, axis=2,
+                        mode="clip").astype(jnp.float32).sum(axis=0) for o in o_Ts]
+    y_NM = epilogue(*rows_NM) if split_k > 1 else rows_NM[0]
+    return jnp.where(valid_M[:, None], y_NM.T, 0).astype(out_dtype)
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, config: DecodeConfig,
