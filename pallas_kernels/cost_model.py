@@ -192,35 +192,44 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     steps = plan.num_k_steps
     products = 1 if planes == 1 else 3
 
+    split_k = cfg.split_k
+    steps_S = np.array([mosaic_sm90.k_range(s, steps, split_k)[1] for s in range(split_k)])
+    tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
+
     matmul_W = (count_W > 0) & (group_W >= 0)
-    flops_W = np.where(matmul_W, steps * cfg.block_w * cfg.block_t * cfg.block_k * 2
-                       * num_weights * products, 0)
-    x_W = np.where(matmul_W, steps * cfg.block_t * cfg.block_k * in_bytes, 0)
-    w_W = np.where(matmul_W, steps * num_weights * cfg.block_k * cfg.block_w * in_bytes, 0)
-    o_W = np.where(matmul_W, cfg.block_w * cfg.block_t * out_bytes, 0)
+    flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * cfg.block_k
+                                           * 2 * num_weights * products, 0)
+    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_t * cfg.block_k * in_bytes, 0)
+    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_w
+                                       * in_bytes, 0)
+    o_SW = np.broadcast_to(np.where(matmul_W, cfg.block_w * cfg.block_t * tile_out_bytes, 0),
+                           x_SW.shape)
     first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
-    hbm_W = np.where(first_W, w_W, 0) + x_W / n_blocks + o_W
-    time_W = np.where(matmul_W, np.maximum(flops_W / (DENSE_BF16_FLOPS / num_sms),
-                                           hbm_W / (COPY_BYTES_PER_S / num_sms))
-                      + TILE_OVERHEAD_S, 0.0)
-    with mosaic_sm90.host_eval():
-        item_T = _tile_order(num_items, n_blocks, cfg.grid_block_n)
-    time_T = time_W[item_T]
+    hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
+    time_SW = np.where(matmul_W, np.maximum(flops_SW / (DENSE_BF16_FLOPS / num_sms),
+                                            hbm_SW / (COPY_BYTES_PER_S / num_sms))
+                       + TILE_OVERHEAD_S, 0.0)
+    # The kernel's item-major loop: tile (item, N-block, K range).
+    item_T = np.repeat(np.arange(num_items), n_blocks * split_k)
+    split_T = np.tile(np.arange(split_k), num_items * n_blocks)
+    time_T = time_SW[split_T, item_T]
     cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
     busiest = float(cta_time.max())
-    assemble_bytes = 2 * m * n * out_bytes  # XLA gathers y from the tiles
+    # XLA gathers y from the tiles: reads each row's column (of every K range's
+    # f32 partials with split-K) and writes y.
+    assemble_bytes = m * n * (split_k * tile_out_bytes + out_bytes)
     useful_rows = int(min(sizes.sum(), m))
     active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
     matmul_items = int(np.count_nonzero(matmul_W))
     return KernelCost(
-        tiles=matmul_items * n_blocks,
+        tiles=matmul_items * n_blocks * split_k,
         sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
-        weight_bytes=float(w_W.sum() * n_blocks), x_bytes=float(x_W.sum() * n_blocks),
-        out_bytes=float(o_W.sum() * n_blocks + assemble_bytes),
+        weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
+        out_bytes=float(o_SW.sum() * n_blocks + assemble_bytes),
         weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,
         rows_computed_per_useful_row=(float(matmul_items * cfg.block_t / useful_rows)
                                       if useful_rows else 0.0),
-        flops=float(flops_W.sum() * n_blocks),
+        flops=float(flops_SW.sum() * n_blocks),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
         config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode"})
 
@@ -229,31 +238,38 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 # preferred when it keeps x <= DECODE_X_OVER_W of the weight bytes (issue 12).
 DECODE_X_OVER_W = 0.10
 DECODE_TIE = 0.03
+DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
+PROXY_DRAWS = 4
 
 
-def proxy_group_sizes(num_rows: int, num_groups: int) -> np.ndarray:
-    """Routed group sizes the launcher plans with (it sees traced sizes): a
-    fixed-seed uniform multinomial draw of num_rows rows over num_groups."""
-    rng = np.random.default_rng(0)
-    return rng.multinomial(num_rows, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
+def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
+    """Routed group sizes the launcher plans with (it sees traced sizes):
+    PROXY_DRAWS fixed-seed uniform multinomial draws of num_rows rows over
+    num_groups groups."""
+    return [np.random.default_rng(seed).multinomial(
+        num_rows, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
+        for seed in range(PROXY_DRAWS)]
 
 
 def decode_candidates(m: int, n: int, num_groups: int,
                       num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
-    """Decode tilings worth modelling: token tiles from the expected rows up
-    two steps of 8, widths whose accumulators take <= 128 registers a thread
+    """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
+    rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths whose accumulators take <= 128 registers a thread
     and divide N (no weight padding); empty above MAX_DECODE_ROWS."""
     rows = mosaic_sm90_decode.expected_rows(m, num_groups)
     if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
         return []
-    t0 = mosaic_sm90._round_up(max(int(np.ceil(rows)), 1), mosaic_sm90.X_ROW_ALIGN)
+    mean = m / num_groups
+    low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
+                                mosaic_sm90.X_ROW_ALIGN)
+    high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
     out = []
-    for block_t in range(t0, min(t0 + 16, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
+    for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
         for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
             cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
                                                   block_t=block_t)
             if cfg.acc_registers(num_weights) <= 128 and n % cfg.block_w == 0:
-                out.append(cfg)
+                out += [dataclasses.replace(cfg, split_k=s) for s in DECODE_SPLITS]
     return out
 
 
@@ -263,22 +279,33 @@ def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: in
                         num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
     """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
     or None for mosaic_sm90's row-major default tiles, whichever this model
-    predicts fastest on proxy_group_sizes; a decode tiling within DECODE_TIE
+    predicts fastest in the worst of proxy_group_sizes' draws (the
+    SM fill of a few hundred tiles jumps with the item count); a decode tiling within DECODE_TIE
     of the fastest that keeps x <= DECODE_X_OVER_W of the weight bytes and
     <= 1.05 weight reads per active expert wins over a faster one that does not."""
     dtype = jnp.dtype(dtype_name)
-    sizes = proxy_group_sizes(m, num_groups)
+    draws = proxy_group_sizes(m, num_groups)
+
+    def mean_cost(cost_fn) -> tuple[float, float, float]:
+        """(worst predicted us, x / weight bytes, worst weight reads) over the draws."""
+        costs = [cost_fn(sizes) for sizes in draws]
+        return (max(c.predicted_us for c in costs),
+                max(c.x_bytes_over_weight_bytes for c in costs),
+                max(c.weight_reads_per_active_expert for c in costs))
+
     with mosaic_sm90.host_eval():
-        costs = [(grouped_cost(sizes, m, k, n, num_weights, dtype=dtype, num_sms=num_sms), None)]
-        costs += [(decode_cost(sizes, m, k, n, num_weights, dtype=dtype, config=cfg,
-                               num_sms=num_sms), cfg)
-                  for cfg in decode_candidates(m, n, num_groups, num_weights)]
-    fastest = min(cost.predicted_us for cost, _ in costs)
-    lean = [(cost, cfg) for cost, cfg in costs
-            if cost.predicted_us <= fastest * (1 + DECODE_TIE)
-            and cost.x_bytes_over_weight_bytes <= DECODE_X_OVER_W
-            and cost.weight_reads_per_active_expert <= 1.05]
-    return min(lean or costs, key=lambda c: c[0].predicted_us)[1]
+        costs = [(mean_cost(lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
+                                                   num_sms=num_sms)), None)]
+        for cfg in decode_candidates(m, n, num_groups, num_weights):
+            try:
+                costs.append((mean_cost(lambda s, cfg=cfg: decode_cost(
+                    s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)), cfg))
+            except ValueError:  # K ranges shorter than the pipeline
+                continue
+    fastest = min(us for (us, _, _), _ in costs)
+    lean = [c for c in costs if c[0][0] <= fastest * (1 + DECODE_TIE)
+            and c[0][1] <= DECODE_X_OVER_W and c[0][2] <= 1.05]
+    return min(lean or costs, key=lambda c: c[0][0])[1]
 
 
 def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,

@@ -13,8 +13,11 @@ block_w) of its weight bytes instead of 64 / (num_w x block_n).
 Scheduling: mosaic_sm90.work_items_4W with block_m = block_t (group-aligned
 items: a group of <= block_t rows (plus its start's alignment slack) is one
 item and streams its weights once per N-block). The persistent loop walks
-(item, N-block) tiles in planar-snake order; items of the tail segment
-(rows past sum(sizes)) and unused items cost nothing.
+(item, N-block, K range) tiles item-major, so the tiles that run form a
+prefix of the loop and tile i runs on CTA i mod num_sms; items of the tail
+segment (rows past sum(sizes)) and unused items cost nothing. Split-K
+(split_k = S > 1) cuts K into S ranges when the tiles are too few for the
+SMs: f32 partials, summed by XLA, the SiTU applied after the sum.
 
 Output: each tile writes its whole transposed tile to its own columns of
 out^T [N_pad, W * block_t] (item w owns columns [w * block_t, (w + 1) * block_t)),
@@ -69,7 +72,6 @@ class DecodeConfig:
     block_t: int = 16
     block_k: int = 64
     max_concurrent_steps: int = 6
-    grid_block_n: int = 8
     split_k: int = 1
     num_ctas: int | None = None  # persistent grid size; None: the device's SM count
 
@@ -191,7 +193,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
 
     epilogue(*acc_tiles) -> tuple of output tiles (the SiTU, or with split-K
     S > 1 the f32 products themselves: the caller sums and applies it).
-    Every warpgroup walks the same (K range, item, N-block) sequence.
+    Every warpgroup walks the same (item, N-block, K range) sequence.
     """
     wg_w = cfg.wg_block_w
     split_k = cfg.split_k
@@ -219,9 +221,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
 
             @plgpu.nd_loop((split_k * num_items * num_n_blocks,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
-                split, lin = jnp.divmod(info.index[0], num_items * num_n_blocks)
-                item, n_block = plgpu.planar_snake(
-                    lin, (num_items, num_n_blocks), 1, cfg.grid_block_n)
+                # Item-major order: the used items come first in the table, so
+                # the tiles that run are a prefix of the loop and spread evenly
+                # over the CTAs (a snake would leave the unused items' idle
+                # tiles between them). A weight tile is read by one item only.
+                lin, split = jnp.divmod(info.index[0], split_k)
+                item, n_block = jnp.divmod(lin, num_n_blocks)
                 group = meta_gmem[0, item]
                 x_row0 = meta_gmem[1, item]
                 count = meta_gmem[3, item]
