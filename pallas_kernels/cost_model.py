@@ -234,10 +234,9 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
         config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode"})
 
 
-# best_grouped_config: a decode launch within this of the fastest candidate is
-# preferred when it keeps x <= DECODE_X_OVER_W of the weight bytes (issue 12).
+# best_grouped_config prefers a decode launch that keeps x <= DECODE_X_OVER_W
+# of the weight bytes (issue 12) when it is no slower than the row-major tiles.
 DECODE_X_OVER_W = 0.10
-DECODE_TIE = 0.03
 DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
 PROXY_DRAWS = 4
 
@@ -278,32 +277,33 @@ def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: in
                         dtype_name: str = "bfloat16",
                         num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
     """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
-    or None for mosaic_sm90's row-major default tiles, whichever this model
-    predicts fastest in the worst of proxy_group_sizes' draws (the
-    SM fill of a few hundred tiles jumps with the item count); a decode tiling within DECODE_TIE
-    of the fastest that keeps x <= DECODE_X_OVER_W of the weight bytes and
-    <= 1.05 weight reads per active expert wins over a faster one that does not."""
+    or None for mosaic_sm90's row-major default tiles. Each candidate is
+    costed in the worst of proxy_group_sizes' draws (the SM fill of a few
+    hundred tiles jumps with the item count). The fastest decode tiling that
+    keeps x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads
+    per active expert, and is no slower than the row-major tiles, wins;
+    without one, the fastest candidate."""
     dtype = jnp.dtype(dtype_name)
     draws = proxy_group_sizes(m, num_groups)
 
-    def mean_cost(cost_fn) -> tuple[float, float, float]:
-        """(worst predicted us, x / weight bytes, worst weight reads) over the draws."""
+    def worst(cost_fn) -> tuple[float, float, float]:
+        """(predicted us, x / weight bytes, weight reads), each the worst over the draws."""
         costs = [cost_fn(sizes) for sizes in draws]
         return (max(c.predicted_us for c in costs),
                 max(c.x_bytes_over_weight_bytes for c in costs),
                 max(c.weight_reads_per_active_expert for c in costs))
 
     with mosaic_sm90.host_eval():
-        costs = [(mean_cost(lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
-                                                   num_sms=num_sms)), None)]
+        costs = [(worst(lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
+                                               num_sms=num_sms)), None)]
         for cfg in decode_candidates(m, n, num_groups, num_weights):
             try:
-                costs.append((mean_cost(lambda s, cfg=cfg: decode_cost(
+                costs.append((worst(lambda s, cfg=cfg: decode_cost(
                     s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)), cfg))
-            except ValueError:  # K ranges shorter than the pipeline
+            except ValueError:  # K ranges shorter than the pipeline, or SMEM overflow
                 continue
-    fastest = min(us for (us, _, _), _ in costs)
-    lean = [c for c in costs if c[0][0] <= fastest * (1 + DECODE_TIE)
+    row_major_us = costs[0][0][0]
+    lean = [c for c in costs[1:] if c[0][0] <= row_major_us
             and c[0][1] <= DECODE_X_OVER_W and c[0][2] <= 1.05]
     return min(lean or costs, key=lambda c: c[0][0])[1]
 

@@ -155,6 +155,10 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
                       k_pad=mosaic_sm90._round_up(k, block_k),
                       n_pad=mosaic_sm90._round_up(n, cfg.block_w),
                       num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t))
+    smem = cfg.smem_bytes(num_weights, 2 * planes, out_bytes)
+    if smem > mosaic_sm90.SMEM_LIMIT - mosaic_sm90._SMEM_RESERVE:
+        raise ValueError(f"decode tiles {cfg} need {smem} bytes of shared memory at 2 stages, "
+                         f"over the {mosaic_sm90.SMEM_LIMIT}-byte limit")
     if cfg.split_k > 1 and plan.num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
         raise ValueError(
             f"split_k={cfg.split_k} leaves K ranges of {plan.num_k_steps // cfg.split_k} "
