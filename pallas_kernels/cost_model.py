@@ -238,7 +238,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 # of the weight bytes (issue 12) when it is no slower than the row-major tiles.
 DECODE_X_OVER_W = 0.10
 DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
-PROXY_DRAWS = 4
+PROXY_DRAWS = 8
 
 
 def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
