@@ -238,7 +238,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 # of the weight bytes (issue 12) when it is no slower than the row-major tiles.
 DECODE_X_OVER_W = 0.10
 DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
-PROXY_DRAWS = 8
+PROXY_DRAWS = 16
 
 
 def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
@@ -277,9 +277,10 @@ def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: in
                         dtype_name: str = "bfloat16",
                         num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
     """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
-    or None for mosaic_sm90's row-major default tiles. Each candidate is
-    costed in the worst of proxy_group_sizes' draws (the SM fill of a few
-    hundred tiles jumps with the item count). The fastest decode tiling that
+    or None for mosaic_sm90's row-major default tiles. Each candidate's
+    time is its mean over proxy_group_sizes' draws (the SM fill of a few
+    hundred tiles jumps by up to 1 / tiles-per-SM with the item count, so one
+    draw decides little). The fastest decode tiling that
     keeps x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads
     per active expert, and is no slower than the row-major tiles, wins;
     without one, the fastest candidate."""
@@ -287,9 +288,9 @@ def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: in
     draws = proxy_group_sizes(m, num_groups)
 
     def worst(cost_fn) -> tuple[float, float, float]:
-        """(predicted us, x / weight bytes, weight reads), each the worst over the draws."""
+        """(mean predicted us, worst x / weight bytes, worst weight reads) over the draws."""
         costs = [cost_fn(sizes) for sizes in draws]
-        return (max(c.predicted_us for c in costs),
+        return (float(np.mean([c.predicted_us for c in costs])),
                 max(c.x_bytes_over_weight_bytes for c in costs),
                 max(c.weight_reads_per_active_expert for c in costs))
 
