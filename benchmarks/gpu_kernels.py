@@ -592,8 +592,9 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
 
 
 def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
-    """The cost model's prediction for one grouped row, with the targets' ratios."""
-    cost = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    """The cost model's prediction for one grouped row (the kernel and tiles
+    the launcher picks, named in its config), with the targets' ratios."""
+    cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
     active = int(np.count_nonzero(sizes))
     useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
     weight_bytes = 2.0 * active * case.k * case.n * case.num_weights

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
 
 H200_NUM_SMS = 132
 DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
@@ -178,6 +178,158 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
         config={**dataclasses.asdict(cfg), "planes": planes})
 
 
+def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
+                num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """Model one launch of the transposed decode kernel (mosaic_sm90_decode):
+    weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
+    conventions as grouped_cost; "rows computed" counts the block_t token
+    columns of every matmul tile, and the output is the per-item transposed
+    tiles (whole tiles stored) plus XLA's gather of y (read and write M x N)."""
+    sizes = np.asarray(group_sizes_G, np.int64)
+    plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    cfg, planes = plan.cfg, plan.planes
+    in_bytes = 2 * planes
+    out_bytes = jnp.dtype(dtype).itemsize
+    with mosaic_sm90.host_eval():
+        meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_t))
+    group_W, count_W = meta[0], meta[3]
+    num_items = meta.shape[1]
+    n_blocks = plan.num_n_blocks
+    steps = plan.num_k_steps
+    products = 1 if planes == 1 else 3
+
+    split_k = cfg.split_k
+    steps_S = np.array([mosaic_sm90.k_range(s, steps, split_k)[1] for s in range(split_k)])
+    tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
+
+    matmul_W = (count_W > 0) & (group_W >= 0)
+    flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * cfg.block_k
+                                           * 2 * num_weights * products, 0)
+    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_t * cfg.block_k * in_bytes, 0)
+    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_w
+                                       * in_bytes, 0)
+    o_SW = np.broadcast_to(np.where(matmul_W, cfg.block_w * cfg.block_t * tile_out_bytes, 0),
+                           x_SW.shape)
+    first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
+    hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
+    time_SW = np.where(matmul_W, np.maximum(flops_SW / (DENSE_BF16_FLOPS / num_sms),
+                                            hbm_SW / (COPY_BYTES_PER_S / num_sms))
+                       + TILE_OVERHEAD_S, 0.0)
+    # The kernel's item-major loop: tile (item, N-block, K range).
+    item_T = np.repeat(np.arange(num_items), n_blocks * split_k)
+    split_T = np.tile(np.arange(split_k), num_items * n_blocks)
+    time_T = time_SW[split_T, item_T]
+    cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
+    busiest = float(cta_time.max())
+    # XLA gathers y from the tiles: reads each row's column (of every K range's
+    # f32 partials with split-K) and writes y.
+    assemble_bytes = m * n * (split_k * tile_out_bytes + out_bytes)
+    useful_rows = int(min(sizes.sum(), m))
+    active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
+    matmul_items = int(np.count_nonzero(matmul_W))
+    return KernelCost(
+        tiles=matmul_items * n_blocks * split_k,
+        sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
+        out_bytes=float(o_SW.sum() * n_blocks + assemble_bytes),
+        weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,
+        rows_computed_per_useful_row=(float(matmul_items * cfg.block_t / useful_rows)
+                                      if useful_rows else 0.0),
+        flops=float(flops_SW.sum() * n_blocks),
+        predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
+        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode"})
+
+
+# best_grouped_config prefers a decode launch that keeps x <= DECODE_X_OVER_W
+# of the weight bytes (issue 12) when it is no slower than the row-major tiles.
+DECODE_X_OVER_W = 0.10
+DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
+PROXY_DRAWS = 16
+
+
+def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
+    """Routed group sizes the launcher plans with (it sees traced sizes):
+    PROXY_DRAWS fixed-seed uniform multinomial draws of num_rows rows over
+    num_groups groups."""
+    return [np.random.default_rng(seed).multinomial(
+        num_rows, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
+        for seed in range(PROXY_DRAWS)]
+
+
+def decode_candidates(m: int, n: int, num_groups: int,
+                      num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
+    """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
+    rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths whose accumulators take <= 128 registers a thread
+    and divide N (no weight padding); empty above MAX_DECODE_ROWS."""
+    rows = mosaic_sm90_decode.expected_rows(m, num_groups)
+    if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
+        return []
+    mean = m / num_groups
+    low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
+                                mosaic_sm90.X_ROW_ALIGN)
+    high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
+    out = []
+    for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
+        for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
+            cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
+                                                  block_t=block_t)
+            if cfg.acc_registers(num_weights) <= 128 and n % cfg.block_w == 0:
+                out += [dataclasses.replace(cfg, split_k=s) for s in DECODE_SPLITS]
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
+                        dtype_name: str = "bfloat16",
+                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
+    """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
+    or None for mosaic_sm90's row-major default tiles. Each candidate's
+    time is its mean over proxy_group_sizes' draws (the SM fill of a few
+    hundred tiles jumps by up to 1 / tiles-per-SM with the item count, so one
+    draw decides little). The fastest decode tiling that
+    keeps x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads
+    per active expert, and is no slower than the row-major tiles, wins;
+    without one, the fastest candidate."""
+    dtype = jnp.dtype(dtype_name)
+    draws = proxy_group_sizes(m, num_groups)
+
+    def worst(cost_fn) -> tuple[float, float, float]:
+        """(mean predicted us, worst x / weight bytes, worst weight reads) over the draws."""
+        costs = [cost_fn(sizes) for sizes in draws]
+        return (float(np.mean([c.predicted_us for c in costs])),
+                max(c.x_bytes_over_weight_bytes for c in costs),
+                max(c.weight_reads_per_active_expert for c in costs))
+
+    with mosaic_sm90.host_eval():
+        costs = [(worst(lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
+                                               num_sms=num_sms)), None)]
+        for cfg in decode_candidates(m, n, num_groups, num_weights):
+            try:
+                costs.append((worst(lambda s, cfg=cfg: decode_cost(
+                    s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)), cfg))
+            except ValueError:  # K ranges shorter than the pipeline, or SMEM overflow
+                continue
+    row_major_us = costs[0][0][0]
+    lean = [c for c in costs[1:] if c[0][0] <= row_major_us
+            and c[0][1] <= DECODE_X_OVER_W and c[0][2] <= 1.05]
+    return min(lean or costs, key=lambda c: c[0][0])[1]
+
+
+def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                dtype=jnp.bfloat16, num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """The launch the grouped launcher runs for these shapes
+    (best_grouped_config), costed on the actual group_sizes_G, with the
+    kernel named in its config."""
+    decode = best_grouped_config(m, k, n, len(group_sizes_G), num_weights,
+                                 jnp.dtype(dtype).name, num_sms)
+    if decode is not None:
+        return decode_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, config=decode,
+                           num_sms=num_sms)
+    cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, num_sms=num_sms)
+    return dataclasses.replace(cost, config={**cost.config, "kernel": "mosaic_sm90"})
+
+
 def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
              config: mosaic_sm90.TileConfig | None = None,
              num_sms: int = H200_NUM_SMS) -> KernelCost:
@@ -269,6 +421,7 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "mlp_candidates", "SM_FILL_TARGET", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
-           "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
-           "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost", "SM_FILL_TARGET",
+           "TILE_OVERHEAD_S", "best_grouped_config", "best_mlp_config", "decode_candidates",
+           "decode_cost", "grouped_cost", "launch_cost", "mlp_candidates", "mlp_cost",
+           "proxy_group_sizes", "roofline_s", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

@@ -5,6 +5,8 @@ is the test oracle: XLA expands it densely), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
 "triton" -> triton_sm80.py through jax-triton (CUDA sm_80+), "auto" -> "pallas"
 on sm_90, "triton" on other CUDA GPUs, else "xla" (see pallas_kernels.backend).
+At decode sizes the Mosaic launch takes mosaic_sm90_decode.py (weights on
+WGMMA's M side) where the cost model predicts it faster (decode_config).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, vjp
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, mosaic_sm90_decode, vjp
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.situ import check_betas
 
@@ -103,6 +105,10 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if impl == "triton":
         return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    decode = decode_config(x_MK, w_GKN, 1)
+    if decode is not None:
+        return mosaic_sm90_decode.grouped_matmul(x_MK, w_GKN, group_sizes_G, config=decode,
+                                                 interpret=impl == "interpret")
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
                                       interpret=impl == "interpret")
 
@@ -146,9 +152,27 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
     if impl == "triton":
         return triton_kernels().grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                                  beta=beta, linear_beta=linear_beta)
+    decode = decode_config(x_MK, w_gate_GKN, 2)
+    if decode is not None:
+        return mosaic_sm90_decode.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                                   beta=beta, linear_beta=linear_beta,
+                                                   config=decode, interpret=impl == "interpret")
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
+
+
+def decode_config(x_MK, w_GKN, num_weights: int) -> mosaic_sm90_decode.DecodeConfig | None:
+    """The Mosaic launch's kernel: mosaic_sm90_decode's tiles where the H200
+    cost model predicts them faster (cost_model.best_grouped_config: decode
+    sizes, up to 64 rows per group), else None (mosaic_sm90's tiles)."""
+    from pallas_kernels import cost_model  # imports this package's kernels
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKN.shape
+    if m == 0 or n == 0:
+        return None
+    return cost_model.best_grouped_config(m, k, n, num_groups, num_weights,
+                                          jnp.result_type(x_MK, w_GKN).name)
 
 
 _FORWARDS = vjp.GroupedForwards(plain=_grouped_matmul_forward, fused=_grouped_situ_glu_forward)

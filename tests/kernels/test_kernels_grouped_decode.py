@@ -1,0 +1,200 @@
+"""mosaic_sm90_decode: the transposed decode kernel (weights on WGMMA's M side)
+in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
+(0 spills) for the tiles the launcher picks at the sweep's decode shapes, and
+the cost model's decode figures (issue 12's x <= 10% of weight bytes).
+
+Measured on the 2-core host: the interpret cases ~50 s together, the ptxas
+test ~2-3 min (the launcher's choice for 18 sweep rows, then one compile per
+distinct tiling), the model test ~1.5 min.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks"))
+import gpu_kernels  # noqa: E402 -- the sweep's cases and routing
+import kernel_cases as kc  # noqa: E402
+from pallas_kernels import cost_model  # noqa: E402
+from pallas_kernels.grouped_matmul import api, mosaic_sm90, mosaic_sm90_decode as dec  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
+DecodeConfig = dec.DecodeConfig
+
+# (m, k, n, sizes, dtype, config). Odd sizes, empty groups, a NaN tail past
+# sum(sizes); 2-3 CTAs walk 8-30 tiles each (the persistent loop, barrier
+# phases and output SMEM reuse across tiles); split-K with two K-range lengths
+# (5 K steps into 2 ranges); M below one token tile; bf16x3 float32.
+CASES = [
+    (40, 320, 256, [7, 0, 13, 1, 0], BF16,
+     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+                  num_ctas=2)),
+    (40, 320, 256, [7, 0, 13, 1, 0], BF16,
+     DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=8, max_concurrent_steps=2,
+                  split_k=2, num_ctas=3)),
+    (5, 128, 128, [2, 0, 1], F32,
+     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+                  num_ctas=2)),
+    (24, 320, 128, [0, 9, 5, 3], F32,
+     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+                  split_k=2, num_ctas=2)),
+]
+
+
+def _case_id(case) -> str:
+    m, k, n, sizes, dtype, cfg = case
+    return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
+            f"_t{cfg.block_t}_s{cfg.split_k}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_decode_kernel_interpret_matches_float64(case):
+    """Both products of one launch shape: the plain and the fused kernel
+    against the float64 loop; tail rows exactly 0, no NaN from the poisoned
+    tail of x."""
+    m, k, n, sizes, dtype, cfg = case
+    sizes = np.asarray(sizes, np.int32)
+    x, (wg, wu) = kc.grouped_inputs(m + k + n, m, k, n, len(sizes), dtype, 2)
+    x = kc.poison_tail(x, sizes)
+    sizes_j = jnp.asarray(sizes)
+    y = dec.grouped_matmul(x, wg, sizes_j, config=cfg, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dtype
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(wg), sizes), sizes,
+                             kc.kernel_tol(dtype), "plain " + _case_id(case))
+    h = dec.grouped_situ_glu(x, wg, wu, sizes_j, config=cfg, interpret=True, **SITU)
+    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes),
+                             sizes, kc.kernel_tol(dtype), "fused " + _case_id(case))
+
+
+def test_row_columns_point_each_row_at_its_items_column():
+    """The XLA assembly's map: every valid row reads the column of the item
+    that holds it (item w's columns start at w * block_t), tail rows are
+    invalid."""
+    sizes = jnp.asarray([3, 0, 20, 1], jnp.int32)
+    m, block_t = 30, 8
+    meta = np.asarray(mosaic_sm90.work_items_4W(sizes, m, block_t))
+    col, valid = (np.asarray(a) for a in dec.row_columns(jnp.asarray(meta), m, block_t))
+    for r in range(m):
+        item, j = divmod(int(col[r]), block_t)
+        group, x_row0, offset, count = meta[:, item]
+        assert x_row0 + offset <= r < x_row0 + offset + count and x_row0 + j == r, r
+        assert valid[r] == (r < 24) == (group >= 0), r
+
+
+def test_bad_decode_tiles_are_rejected():
+    with pytest.raises(ValueError, match="wg_block_w"):
+        DecodeConfig(wg_block_w=96)
+    with pytest.raises(ValueError, match="block_t"):
+        DecodeConfig(block_t=12)
+    with pytest.raises(ValueError, match="split_k=4"):
+        dec.plan_launch(40, 320, 256, 5, 1, BF16, BF16,
+                        DecodeConfig(block_t=8, max_concurrent_steps=2, split_k=4))
+    with pytest.raises(ValueError, match="shared memory"):
+        dec.plan_launch(40, 3584, 3072, 5, 2, F32, F32,
+                        DecodeConfig(num_compute_wgs=2, wg_block_w=256, block_t=64))
+
+
+def _decode_rows():
+    """(case, launcher's tiling) for the sweep's rows at 16, 64 and 256 tokens."""
+    return [(case, cost_model.best_grouped_config(case.rows, case.k, case.n,
+                                                  case.local_experts, case.num_weights))
+            for case in gpu_kernels.grouped_cases(gpu_kernels.FULL)
+            if case.tokens in (16, 64, 256)]
+
+
+def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
+    """Every decode tiling the launcher picks for the sweep's K3 decode rows
+    (EP 8/16/32, both ops) through ptxas for sm_90a: 0 spill bytes, no
+    serialized WGMMA warning. One compile per distinct (op, tiling)."""
+    from k3jax.kernel_ptxas import ptxas_reports
+    seen = {}
+    for case, cfg in _decode_rows():
+        if cfg is not None:
+            seen.setdefault((case.op, cfg), case)
+    assert seen, "the launcher picked no decode tiles for the sweep's decode rows"
+    S = jax.ShapeDtypeStruct
+    for (op, cfg), case in seen.items():
+        specs = case.arg_specs()
+        if op == "gate_up_situ":
+            def fn(x, a, b, s, cfg=cfg):
+                return dec.grouped_situ_glu(x, a, b, s, config=cfg, **SITU)
+        else:
+            def fn(x, w, s, cfg=cfg):
+                return dec.grouped_matmul(x, w, s, config=cfg)
+        reports = ptxas_reports(fn, *[S(a.shape, a.dtype) for a in specs])
+        assert reports, (op, cfg)
+        for rep in reports:
+            assert "decode" in rep.name, rep
+            assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, (op, cfg, rep)
+            assert not any("serializ" in w.lower() for w in rep.warnings), (op, cfg, rep)
+
+
+def test_model_decode_rows_x_bytes_and_weight_reads():
+    """Issue 12 from the model, on the sweep's routing: every decode row the
+    launcher gives the decode kernel keeps <= 1.05 weight reads per active
+    expert; at 16 tokens (every EP) and 64 tokens at EP 8 its x bytes are
+    <= 10% of its weight bytes and it is predicted within 3% of the
+    row-major kernel (faster in all but one of these rows). (Rows with ~18-37 rows a group can't do both within
+    128 accumulator registers a thread, see BENCHMARKS.md.)"""
+    chosen = 0
+    for case, cfg in _decode_rows():
+        sizes = gpu_kernels.grouped_sizes(case)
+        cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+        assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
+        if cfg is None:
+            continue
+        chosen += 1
+        assert cost.weight_reads_per_active_expert <= 1.05, (case.name, cost)
+        if case.tokens == 16 or (case.tokens == 64 and case.ep == 8):
+            row_major = cost_model.grouped_cost(sizes, case.rows, case.k, case.n,
+                                                case.num_weights)
+            assert cost.x_bytes_over_weight_bytes <= 0.10, (case.name, cost)
+            # The launcher compares mean times over proxy routings; on this one
+            # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
+            assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
+    assert chosen >= 8
+
+
+def test_model_counts_match_a_hand_count():
+    """Two groups of 5 and 13 rows, M 24, K 256, N 256, 8-token tiles, one
+    64-wide consumer: group 0 is one item (rows 0..4), group 1 starts at row
+    5 (tile at row 0): rows 5..7, 8..15, 16..17 -> 3 items; the tail (rows
+    18..23) has no matmul. 4 items x 4 N-blocks = 16 tiles; x / w = 8 / 64."""
+    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
+    cost = cost_model.decode_cost([5, 13], 24, 256, 256, 1, config=cfg)
+    assert cost.tiles == 16
+    assert cost.weight_reads_per_active_expert == pytest.approx(4 / 2)
+    assert cost.x_bytes_over_weight_bytes == pytest.approx(8 / 64)
+    assert cost.rows_computed_per_useful_row == pytest.approx(4 * 8 / 18)
+    assert cost.weight_bytes == 16 * 256 * 64 * 2
+    assert cost.flops == 16 * 64 * 8 * 256 * 2
+
+
+def test_launcher_dispatch_picks_the_decode_kernel(monkeypatch):
+    """backend="interpret" runs the decode kernel where the model picks it
+    (few rows a group, N a multiple of the tile width) and matches float64."""
+    calls = []
+    orig = dec._grouped_call
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["cfg"])
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(dec, "_grouped_call", spy)
+    m, k, n, sizes = 24, 128, 256, np.asarray([3, 0, 5, 2, 4, 0, 1, 6], np.int32)
+    assert api.decode_config(jax.ShapeDtypeStruct((m, k), BF16),
+                             jax.ShapeDtypeStruct((8, k, n), BF16), 1) is not None
+    x, (w,) = kc.grouped_inputs(3, m, k, n, len(sizes), BF16, 1)
+    x = kc.poison_tail(x, sizes)
+    y = api.grouped_matmul(x, w, jnp.asarray(sizes), backend="interpret")
+    assert len(calls) == 1
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(w), sizes), sizes,
+                             kc.TOL_BF16, "dispatch")
