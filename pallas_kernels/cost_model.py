@@ -269,6 +269,6 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "best_mlp_config", "mlp_candidates", "SM_FILL_TARGET", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost",
-           "TILE_OVERHEAD_S", "grouped_cost", "mlp_cost", "roofline_s", "xla_mlp_roofline_s",
-           "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost", "SM_FILL_TARGET",
+           "SPLIT_TIE", "TILE_OVERHEAD_S", "best_mlp_config", "grouped_cost", "mlp_candidates",
+           "mlp_cost", "roofline_s", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]
