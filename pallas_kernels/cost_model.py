@@ -421,7 +421,7 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "KernelCost", "SM_FILL_TARGET",
-           "TILE_OVERHEAD_S", "best_grouped_config", "best_mlp_config", "decode_candidates",
-           "decode_cost", "grouped_cost", "launch_cost", "mlp_candidates", "mlp_cost",
-           "proxy_group_sizes", "roofline_s", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "SM_FILL_TARGET", "SPLIT_TIE",
+           "TILE_OVERHEAD_S", "KernelCost", "best_grouped_config", "best_mlp_config",
+           "decode_candidates", "decode_cost", "grouped_cost", "launch_cost", "mlp_candidates",
+           "mlp_cost", "proxy_group_sizes", "roofline_s", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

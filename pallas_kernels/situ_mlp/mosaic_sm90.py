@@ -26,9 +26,9 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
     """x_TD [T, D], gate_DF / up_DF [D, F] -> h_TF [T, F] = situ_glu(x@gate, x@up).
 
     Dense shapes: D = 7168 (K), F = 6144 / tp (N). config=None uses the fused
-    grouped tiles for G = 1 (FUSED_DECODE up to 64 tokens, FUSED_PREFILL above)
-    with the split-K the cost model predicts fastest on an H200
-    (cost_model.best_mlp_config: split-K where too few tiles fill the SMs).
+    grouped tile (one or two consumers), N width and split-K that
+    cost_model.best_mlp_config picks: the fastest predicted H200 launch that
+    fills >= 90% of the SMs (split-K where too few tiles fill them).
     """
     if config is None and x_TD.shape[0] > 0:
         config = cost_model.best_mlp_config(x_TD.shape[0], x_TD.shape[1], gate_DF.shape[1],
