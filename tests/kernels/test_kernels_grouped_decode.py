@@ -3,9 +3,9 @@ in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
 (0 spills) for the tiles the launcher picks at the sweep's decode shapes, and
 the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 
-Measured on the 2-core host: the interpret cases ~50 s together, the ptxas
-test ~2-3 min (the launcher's choice for 18 sweep rows, then one compile per
-distinct tiling), the model test ~1.5 min.
+Measured on the 2-core host, nothing else running: the whole file 105 s
+(the ptxas test 55 s: the launcher's choice for 18 sweep rows, then one
+compile per distinct tiling; the interpret cases 31 s; the model test 10 s).
 """
 
 from __future__ import annotations
