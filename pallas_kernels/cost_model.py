@@ -260,8 +260,9 @@ def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
 def decode_candidates(m: int, n: int, num_groups: int,
                       num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
     """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
-    rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths whose accumulators take <= 128 registers a thread
-    and divide N (no weight padding); empty above MAX_DECODE_ROWS."""
+    rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths
+    whose accumulators take <= 128 registers a thread and divide N (no weight
+    padding); empty above MAX_DECODE_ROWS."""
     rows = mosaic_sm90_decode.expected_rows(m, num_groups)
     if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
         return []

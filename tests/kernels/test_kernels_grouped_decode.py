@@ -22,9 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "benchmarks"))
 import gpu_kernels  # noqa: E402 -- the sweep's cases and routing
+
 import kernel_cases as kc  # noqa: E402
 from pallas_kernels import cost_model  # noqa: E402
-from pallas_kernels.grouped_matmul import api, mosaic_sm90, mosaic_sm90_decode as dec  # noqa: E402
+from pallas_kernels.grouped_matmul import api, mosaic_sm90  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -143,7 +145,8 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
     launcher gives the decode kernel keeps <= 1.05 weight reads per active
     expert; at 16 tokens (every EP) and 64 tokens at EP 8 its x bytes are
     <= 10% of its weight bytes and it is predicted within 3% of the
-    row-major kernel (faster in all but one of these rows). (Rows with ~18-37 rows a group can't do both within
+    row-major kernel (faster in all but one of these rows). (Rows with ~18-37
+    rows a group can't do both within
     128 accumulator registers a thread, see BENCHMARKS.md.)"""
     chosen = 0
     for case, cfg in _decode_rows():
