@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(_REPO, "tests", "kernels"))
 
 import kernel_cases as kc  # noqa: E402 -- the test suite's inputs and float64 references
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up  # noqa: E402
-from pallas_kernels.grouped_matmul import mosaic_sm90  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -53,17 +53,29 @@ class Case:
     pattern: str  # kernel_cases.group_pattern name; "mlp" for situ_mlp_up
     dtype: object
     num_ctas: int | None = None  # force the persistent grid size (None: every SM)
+    decode: mosaic_sm90_decode.DecodeConfig | None = None  # force the weights-on-M decode kernel
 
     @property
     def name(self) -> str:
         dtype = jnp.dtype(self.dtype).name
         ctas = f" ctas={self.num_ctas}" if self.num_ctas else ""
+        if self.decode:
+            d = self.decode
+            ctas += (f" decode wg{d.num_compute_wgs}x{d.wg_block_w} t{d.block_t} "
+                     f"s{d.split_k}" + (f" ctas={d.num_ctas}" if d.num_ctas else ""))
         return (f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} "
                 f"{dtype}{ctas}")
 
     def fn(self, backend: str):
         """The kernel on ``backend``: f(x, w, sizes) | f(x, w_gate, w_up, sizes) |
         f(x, gate_DF, up_DF) for "matmul" | "situ_glu" | "mlp"."""
+        if self.decode:  # the decode kernel itself, with these tiles
+            interpret = backend == "interpret"
+            if self.op == "matmul":
+                return lambda x, w, s: mosaic_sm90_decode.grouped_matmul(
+                    x, w, s, config=self.decode, interpret=interpret)
+            return lambda x, a, b, s: mosaic_sm90_decode.grouped_situ_glu(
+                x, a, b, s, config=self.decode, interpret=interpret, **SITU)
         if self.num_ctas:  # the Mosaic kernel itself, on num_ctas CTAs (not interpret)
             num_w = 1 if self.op == "matmul" else 2
             cfg = dataclasses.replace(
@@ -113,6 +125,19 @@ CASES: list[Case] = [
     # ...on 3 CTAs (hundreds of tiles each), and split-K at every K range length
     Case("situ_glu", 1024, 1024, 1024, 4, "sum_lt_m", BF16, num_ctas=3),
     Case("mlp", 8, 7168, 768, 1, "mlp", BF16),  # the tp 8 decode MLP: split-K
+    # the weights-on-M decode kernel (mosaic_sm90_decode): one and two consumers,
+    # split-K, the NaN tail and empty groups, float32, and 4 CTAs running
+    # hundreds of tiles each with K = 1024 (the stage ring wraps)
+    Case("matmul", 300, 1024, 512, 16, "zeros_skewed", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=32)),
+    Case("situ_glu", 300, 1024, 512, 16, "sum_lt_m", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16,
+                                                split_k=2)),
+    Case("situ_glu", 120, 512, 256, 8, "sum_lt_m", F32,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16)),
+    Case("matmul", 1024, 1024, 4096, 64, "uniform", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=24,
+                                                num_ctas=4)),
 ]
 
 

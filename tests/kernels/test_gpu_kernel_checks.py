@@ -86,3 +86,13 @@ def test_cases_cover_what_the_benchmark_sweep_does_not():
         1 if c.op == "matmul" else 2).tiles >= 1000]
     assert len(many) >= 2, "no case with >= 1000 tiles and K >= 1024"
     assert any(c.num_ctas and c.num_ctas < 8 for c in checks.CASES)  # SM count forced small
+    decode = [c for c in checks.CASES if c.decode]   # the weights-on-M decode kernel
+    assert {c.op for c in decode} == {"matmul", "situ_glu"}
+    assert any(c.decode.split_k > 1 for c in decode) and any(c.dtype == checks.F32 for c in decode)
+    assert any(c.decode.num_ctas and c.k >= 1024 for c in decode)
+
+
+def test_a_decode_case_passes_in_interpret_mode():
+    [case] = [c for c in checks.CASES if c.decode and c.dtype == checks.F32]
+    [row] = checks.run_checks([case], "interpret", log=lambda _: None)
+    assert row["ok"] and 0 < row["rel_err"] <= row["tol"], row
