@@ -78,27 +78,26 @@ def permute_k(x_MK: jax.Array) -> jax.Array:
     return jnp.swapaxes(blocks, 2, 3).reshape(m, k)
 
 
-def _scale_factors(scale_row):
-    """uint8 [block_n] UE8M0 bytes -> (scale, fix) float32 [block_n], both
-    normal numbers: scale = 2**(max(b, 1) - 127) (NaN for b = 255), fix = 0.5
-    for b = 0 else 1 (the codec's factors; no subnormal operand anywhere, so a
-    flush-to-zero multiply, e.g. XLA:CPU's in interpret mode, changes nothing)."""
+def scale_bits(scale_row):
+    """uint8 UE8M0 bytes -> int32 bits of the float32 2**(max(b, 1) - 127)
+    (b = 255: a NaN), with bit 0 set for b = 0 (then halved: 2**-127 is a
+    float32 subnormal, and a flush-to-zero multiply, e.g. XLA:CPU's in
+    interpret mode, would lose it). One int per column carries both."""
     b = scale_row.astype(jnp.int32)
-    bits = jnp.maximum(b, 1) << 23
-    scale = lax.bitcast_convert_type(bits | jnp.where(b == 255, jnp.int32(1 << 22), 0),
-                                     jnp.float32)
-    fix = jnp.where(b == 0, jnp.float32(0.5), jnp.float32(1.0))
-    return scale, fix
+    return ((jnp.maximum(b, 1) << 23) | jnp.where(b == 255, jnp.int32(1 << 22), 0)
+            | jnp.where(b == 0, jnp.int32(1), 0))
 
 
-def _decode_nibbles(codes, scale, fix):
-    """int32 E2M1 codes [r, N] (0..15) x float32 scale, fix [r, N] -> bf16 [r, N],
+def _decode_nibbles(codes, scale_bits_):
+    """int32 E2M1 codes [r, N] (0..15) x scale_bits [r, N] -> bf16 [r, N],
     exact (see the module docstring)."""
     mag3 = codes & 7
     # 2**(e - 1) * (1 + m / 2): the magnitude for e >= 1; 0.5 / 0.75 for codes 0 / 1
     normal = lax.bitcast_convert_type((mag3 << 22) + jnp.int32(126 << 23), jnp.float32)
     mag = jnp.where(mag3 < 2, normal * 2.0 - 1.0, normal)
-    value = mag * fix * scale                     # float32 overflow -> inf; NaN scale -> NaN
+    scale = lax.bitcast_convert_type(scale_bits_ & jnp.int32(~1), jnp.float32)
+    mag = jnp.where((scale_bits_ & 1) != 0, mag * 0.5, mag)
+    value = mag * scale                           # float32 overflow -> inf; NaN scale -> NaN
     value = jnp.where(value < jnp.float32(_MIN_NORMAL_F32), jnp.float32(0.0), value)
     sign = (codes << 28) & jnp.int32(-(1 << 31))
     value = lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign,
@@ -122,19 +121,14 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     block_of_row = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) // _HALF
     for c0 in range(0, block_n, cols):   # column chunks: fewer live registers
         chunk = pl.ds(c0, cols)
-        scale = fix = None
+        bits = None
         for blk in range(BLOCK_K // BLOCK_SIZE):
             row = plgpu.load(scale_smem.at[blk, chunk], layout=wgmma.reduce(0))
-            s_blk, f_blk = (jnp.broadcast_to(f[None, :], (rows, cols))
-                            for f in _scale_factors(row))
-            if scale is None:
-                scale, fix = s_blk, f_blk
-            else:
-                mine = block_of_row == blk
-                scale, fix = jnp.where(mine, s_blk, scale), jnp.where(mine, f_blk, fix)
+            bits_blk = jnp.broadcast_to(scale_bits(row)[None, :], (rows, cols))
+            bits = bits_blk if bits is None else jnp.where(block_of_row == blk, bits_blk, bits)
         packed = plgpu.load(packed_smem.at[:, chunk], layout=wgmma).astype(jnp.int32)
-        w_smem[pl.ds(0, rows), chunk] = _decode_nibbles(packed & 0xF, scale, fix)
-        w_smem[pl.ds(rows, rows), chunk] = _decode_nibbles(packed >> 4, scale, fix)
+        w_smem[pl.ds(0, rows), chunk] = _decode_nibbles(packed & 0xF, bits)
+        w_smem[pl.ds(rows, rows), chunk] = _decode_nibbles(packed >> 4, bits)
 
 
 def _pipeline(step_fn, compute_context, *, cfg: sm90.TileConfig, num_w: int, planes: int,
