@@ -593,10 +593,12 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
 
 def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     """The cost model's prediction for one grouped row, with the targets' ratios."""
-    cost = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    cost = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights,
+                                   mxfp4=case.mxfp4)
     active = int(np.count_nonzero(sizes))
     useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
-    weight_bytes = 2.0 * active * case.k * case.n * case.num_weights
+    # MXFP4 rows: the packed bytes (0.53125 B per parameter) are the weight traffic
+    weight_bytes = (17 / 32 if case.mxfp4 else 2.0) * active * case.k * case.n * case.num_weights
     xla_s = cost_model.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
                                               case.num_weights)
     seconds = cost.predicted_us * 1e-6
@@ -616,26 +618,29 @@ def model_mlp(case: MlpCase) -> dict:
 
 def model_all(plan: Plan) -> dict:
     """Every row of the sweep, as the static cost model predicts it (no GPU)."""
-    grouped = [{"op": c.op, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
+    # MXFP4 rows ("<op>_mxfp4", mosaic_sm90_mxfp4's kernel) beside the bf16 ones
+    grouped = [{"op": c.label, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
                 "local_experts": c.local_experts, "K": c.k, "N": c.n,
                 "active_experts": int(np.count_nonzero(grouped_sizes(c))),
-                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan)]
+                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan, mxfp4=True)]
     mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
             **model_mlp(c)} for c in mlp_cases(plan)]
     return {"meta": {"model": "pallas_kernels/cost_model.py", "num_sms": cost_model.H200_NUM_SMS,
                      "dense_bf16_flops": cost_model.DENSE_BF16_FLOPS,
                      "copy_bytes_per_s": cost_model.COPY_BYTES_PER_S,
                      "tile_overhead_s": cost_model.TILE_OVERHEAD_S, "top_k": plan.top_k,
+                     "mxfp4_decode_ops_per_param": cost_model.MXFP4_DECODE_OPS_PER_PARAM,
+                     "sm_lane_ops_per_s": cost_model.SM_LANE_OPS_PER_S,
                      "num_experts": plan.num_experts},
             "grouped": grouped, "mlp": mlp}
 
 
 def print_model(model: dict) -> None:
-    print(f"{'op':<13}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
+    print(f"{'op':<19}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
           f"{'x/w':>7}{'rows':>6}{'pred us':>9}  vs XLA")
     for r in model["grouped"] + model["mlp"]:
         vs = r.get("speedup_vs_xla_dense", r.get("speedup_vs_xla_roofline"))
-        print(f"{r['op']:<13}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
+        print(f"{r['op']:<19}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
               f"{r['sm_fill']:>6.2f}{r['weight_reads_per_active_expert']:>7.3f}"
               f"{r['x_bytes_over_weight_bytes']:>7.3f}{r['rows_computed_per_useful_row']:>6.2f}"
               f"{r['predicted_us']:>9.1f}  {vs:.2f}x")

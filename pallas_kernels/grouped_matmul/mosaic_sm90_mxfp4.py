@@ -119,8 +119,9 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     rows = BLOCK_K // 2
     cols = min(DECODE_COLS, block_n)
     block_of_row = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) // _HALF
-    for c0 in range(0, block_n, cols):   # column chunks: fewer live registers
-        chunk = pl.ds(c0, cols)
+    @pl.loop(0, block_n // cols)   # column chunks, a real loop: fewer live registers
+    def _chunk(c):
+        chunk = pl.ds(pl.multiple_of(c * cols, cols), cols)
         bits = None
         for blk in range(BLOCK_K // BLOCK_SIZE):
             row = plgpu.load(scale_smem.at[blk, chunk], layout=wgmma.reduce(0))
