@@ -15,8 +15,11 @@ One run measures, on one GPU:
     weight-read bandwidth vs the copy ceiling;
   * the fused dense/shared MLP up-projection situ_mlp_up (D = 7168,
     F = 6144 / tp) vs the unfused XLA reference;
-  * MXFP4 experts at the first EP (bench_mxfp4.py): packed weights vs bf16
-    weights vs "dequantize + ragged_dot", with packed bytes per parameter.
+  * MXFP4 experts at the first EP (bench_mxfp4.py): packed weights (on
+    "pallas": mosaic_sm90_mxfp4.py's in-kernel decode, with its cost-model
+    prediction) vs bf16 weights vs "dequantize + ragged_dot", with packed
+    bytes per parameter. No library peer takes MXFP4 on sm_90 (tokamax's
+    quantized ragged_dot fails to compile E2M1 / E8M0 there).
   * with jax-triton installed (the ``triton`` extra): the Triton kernels
     (--backend triton, pallas_kernels/*/triton_sm80.py) as a peer on every
     grouped and MLP row of a Hopper run ("triton" column), and MXFP4 rows
@@ -815,7 +818,10 @@ def main(argv=None) -> int:
         run_mlp(plan, sweep)
         run_grouped(plan, sweep)
         run_mxfp4(sweep, [c for c in grouped_cases(plan) if c.ep == plan.eps[0]], situ=SITU,
-                  check=check_against_reference, rates=_rates, time_all=time_all)
+                  check=check_against_reference, rates=_rates, time_all=time_all,
+                  model=(lambda c: model_grouped(dataclasses.replace(c, mxfp4=True),
+                                                 grouped_sizes(c)))
+                  if kernel_backend == "pallas" else None)
     except KernelMismatch as e:
         print(f"ABORT: kernel output is wrong, not timing it: {e}", file=sys.stderr)
         return 3

@@ -7,39 +7,42 @@ Same products, schedule and persistent warp-specialized loop as mosaic_sm90.py
 with W an ``Mxfp4Weights`` (packed_GKN uint8 [G, K/2, N], scale_GKN uint8
 [G, K/32, N], k3jax's stored layout: no load-time rearrangement).
 
-Per K step (block_k = 64 K elements) the producer warpgroup TMA-streams the x
-tile [block_m, 64] bf16, and per weight the packed codes [32, block_n] uint8
-and the scales [2, block_n] uint8: 0.53125 bytes per weight parameter, the
-packed bytes, are all the weight traffic. Each consumer warpgroup loads the
-codes into registers, decodes them (below) into a bf16 [64, block_n] SMEM
-tile of its own, fences it (commit_smem) and issues the bf16 WGMMA from SMEM
-as mosaic_sm90.py does.
+Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
+x tile [64, 128] bf16 and, per weight, the packed codes [64, block_n] uint8
+and the scales [4, block_n] uint8: 0.53125 bytes per weight parameter, the
+packed bytes, are all the weight traffic. The consumer warpgroup loads the
+codes as one [64, 32-column chunk] array in the WGMMA register layout, in
+which warp w holds rows 16w..16w+15 = scale block w (so each scale row is
+loaded once as a column vector, broadcast, and picked per row block by three
+selects), decodes them into a bf16 [128, block_n] SMEM tile of its own,
+fences it (commit_smem) and issues the bf16 WGMMA from SMEM as mosaic_sm90.py
+does. One consumer warpgroup, 64-row tiles (see PLAIN / FUSED).
 
 K order. Byte j of a column holds K elements 2j (low nibble) and 2j+1 (high).
 The launcher permutes x's K axis once in XLA (activations only) so that each
-32-element K block reads [its 16 even elements, its 16 odd elements]; the
-decoded low nibbles of a block's 16 packed rows are then rows 0..15 of the
-block's bf16 tile and the high nibbles rows 16..31, and no in-register
-interleave is needed. The product is unchanged (the same permutation on both
-operands' K).
+128-element K chunk reads [its 64 even elements, its 64 odd elements]; the
+decoded low nibbles of the chunk's 64 packed rows are then rows 0..63 of the
+bf16 tile and the high nibbles rows 64..127, with no in-register interleave.
+The product is unchanged (the same permutation on both operands' K).
 
-Decode (exact; the decisions of pallas_kernels.mxfp4.dequantize_expert and
-k3jax.ops.mxfp4.decode_mxfp4, bit for bit). For a code c (bit 3 sign, bits
-0-2 exponent and mantissa) the float32 with bits (sign << 31) | ((c & 7) << 22)
-is magnitude(c) * 2**-126 exactly (codes 0 and 1: zero and a float32
-subnormal). Per column, the scale byte b becomes a float32 factor once per
-32-element block: 2**(b - 127) (bits b << 23; b = 0: 2**-127, bits 1 << 22;
-b = 255: a NaN, so every code of the block decodes to NaN). Per parameter:
-    nibble (and / shift), widen u8 -> i32, sign (shift, and), magnitude (and,
-    shift), or, bitcast (free), * 2**126, * scale (float32 overflow -> inf),
-    |.| < 2**-126 -> signed zero (abs, compare, select; the zero is the
-    sign-only bits), cvt to bf16 (exact: <= 2 significant bits)
-about 13 operations per parameter (7 integer, 6 float), against the ~2
-integer operations the issue asks for. A faster variant would decode two
-nibbles per 32-bit register with ``prmt`` / ``lop3`` through plgpu.inline_mgpu
-into bf16x2 pairs and multiply by the scale with ``mul.bf16x2`` (2 parameters
-per instruction), handling the two scale bytes that flush (0 and 1) and the
-NaN byte per column; not done here.
+Decode (exact: the decisions of pallas_kernels.mxfp4.dequantize_expert and
+k3jax.ops.mxfp4.decode_mxfp4, bit for bit: scale byte 255 -> NaN, float32
+overflow -> inf, results below 2**-126 -> signed zero, then the exact cast to
+bf16). No float subnormal appears in any operand, so a flush-to-zero multiply
+(XLA:CPU's, in interpret mode) gives the same bits:
+    magnitude: the float32 with bits ((c & 7) << 22) + (126 << 23) is
+      2**(e - 1) * (1 + m / 2), the E2M1 magnitude for e >= 1; codes 0 / 1
+      (0.5 / 0.75 there) are corrected to 0 / 0.5 by 2x - 1 and a select;
+    scale: per column, the int bits of 2**(max(b, 1) - 127) (a NaN for
+      b = 255) with bit 0 flagging b = 0, whose magnitudes are halved;
+    value = magnitude * scale (overflow -> inf), < 2**-126 -> 0, the code's
+      sign or-ed into the bits, cvt to bf16 (exact: <= 2 significant bits).
+About 19.5 lane operations per parameter (BENCHMARKS.md counts them), against
+the ~2 the issue asks for: the kernel is ALU-bound. A faster variant would
+decode two nibbles per 32-bit register into bf16x2 pairs (``prmt`` / ``lop3``
+through plgpu.inline_mgpu, which interpret mode cannot run) and multiply by
+the scale with ``mul.bf16x2``, keeping this exact path only for tiles whose
+scale bytes include 0, 1 or 255; not done here.
 
 float32 x runs as two bf16 planes (x = hi + lo, mosaic_sm90.split_bf16) against
 the one exact bf16 weight plane: two WGMMAs per K step, float32-accurate to
