@@ -45,12 +45,12 @@ COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
 # The MXFP4 kernel's in-register decode (mosaic_sm90_mxfp4.py), counted from
-# its source: ~19 integer / float32 operations per weight parameter (nibble
+# its source: ~20 integer / float32 operations per weight parameter (nibble
 # split, widen, scale-row select, magnitude bits, b = 0 fix, scale multiply,
-# flush, sign, cvt), one per CUDA-core lane and clock; a consumer warpgroup
+# flush, sign, cvt; ~1 for splitting x into even / odd K), one per CUDA-core lane and clock; a consumer warpgroup
 # (128 lanes) decodes while its own WGMMAs wait. H200 SXM boost clock 1.98 GHz
 # (data sheet): an assumption, not measured.
-MXFP4_DECODE_OPS_PER_PARAM = 19
+MXFP4_DECODE_OPS_PER_PARAM = 20
 SM_LANE_OPS_PER_S = 128 * 1.98e9
 SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
 

@@ -19,11 +19,14 @@ fences it (commit_smem) and issues the bf16 WGMMA from SMEM as mosaic_sm90.py
 does. One consumer warpgroup, 64-row tiles (see PLAIN / FUSED).
 
 K order. Byte j of a column holds K elements 2j (low nibble) and 2j+1 (high).
-The launcher permutes x's K axis once in XLA (activations only) so that each
-128-element K chunk reads [its 64 even elements, its 64 odd elements]; the
-decoded low nibbles of the chunk's 64 packed rows are then rows 0..63 of the
-bf16 tile and the high nibbles rows 64..127, with no in-register interleave.
-The product is unchanged (the same permutation on both operands' K).
+The decode writes a 128-element K chunk's low nibbles (its even elements) to
+rows 0..63 of the bf16 tile and the high nibbles (odd) to rows 64..127, with
+no in-register interleave. x streams as uint32 words of bf16 pairs (an XLA
+bitcast, no copy); each consumer splits its x tile into even / odd halves
+(integer and / shift, 16-bit truncation, same-width bitcast) into a bf16
+[64, 128] SMEM tile in the same order (split_pairs). An earlier version
+permuted x's K axis in XLA instead: that copy of x cost 0.72 GiB of
+temporaries at 8192 tokens (K3, SP+EP), over the issue's 10% budget.
 
 Decode (exact: the decisions of pallas_kernels.mxfp4.dequantize_expert and
 k3jax.ops.mxfp4.decode_mxfp4, bit for bit: scale byte 255 -> NaN, float32
@@ -37,7 +40,7 @@ bf16). No float subnormal appears in any operand, so a flush-to-zero multiply
       b = 255) with bit 0 flagging b = 0, whose magnitudes are halved;
     value = magnitude * scale (overflow -> inf), < 2**-126 -> 0, the code's
       sign or-ed into the bits, cvt to bf16 (exact: <= 2 significant bits).
-About 19.5 lane operations per parameter (BENCHMARKS.md counts them), against
+About 20 lane operations per parameter (BENCHMARKS.md counts them), against
 the ~2 the issue asks for: the kernel is ALU-bound. A faster variant would
 decode two nibbles per 32-bit register into bf16x2 pairs (``prmt`` / ``lop3``
 through plgpu.inline_mgpu, which interpret mode cannot run) and multiply by
@@ -73,14 +76,6 @@ DECODE_COLS = 32          # columns decoded at a time (registers: 16 per int32 a
 _MIN_NORMAL_F32 = float(2.0 ** -126)
 
 
-def permute_k(x_MK: jax.Array) -> jax.Array:
-    """x [M, K] with each BLOCK_K-element K chunk reordered to [its even, its
-    odd elements] (K a multiple of BLOCK_K): the K order of the in-kernel decode."""
-    m, k = x_MK.shape
-    blocks = x_MK.reshape(m, k // BLOCK_K, BLOCK_K // 2, 2)
-    return jnp.swapaxes(blocks, 2, 3).reshape(m, k)
-
-
 def scale_bits(scale_row):
     """uint8 UE8M0 bytes -> int32 bits of the float32 2**(max(b, 1) - 127)
     (b = 255: a NaN), with bit 0 set for b = 0 (then halved: 2**-127 is a
@@ -112,7 +107,7 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     """Decode one weight's K step of BLOCK_K = 128: packed uint8 [64, block_n]
     and scales uint8 [4, block_n] (SMEM) -> bf16 [128, block_n] in w_smem: the
     low nibbles (even K elements) in rows 0..63, the high nibbles (odd) in rows
-    64..127 (permute_k's order).
+    64..127 (split_pairs puts x's K in the same order).
 
     The codes are one [64, block_n] array in the WGMMA register layout, in
     which warp w holds rows 16w..16w+15: exactly scale block w. Each scale
@@ -135,11 +130,32 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
         w_smem[pl.ds(rows, rows), chunk] = _decode_nibbles(packed >> 4, bits)
 
 
+def split_pairs(pairs_smem, x_smem) -> None:
+    """uint32 [64, BLOCK_K/2] SMEM tile of bf16 pairs (element 2j in the low
+    half) -> bf16 [64, BLOCK_K] x_smem: x's even K elements in columns
+    0..63 (they meet the decoded low nibbles, rows 0..63 of the weight tile)
+    and its odd ones in columns 64..127 (the high nibbles). The K order the
+    decode needs, without a permuted copy of x in HBM (which cost 0.72 GiB of
+    temporaries at 8192 tokens, SP+EP)."""
+    words = plgpu.load(pairs_smem, layout=plgpu.Layout.WGMMA)
+    half = BLOCK_K // 2
+    for i, bits in enumerate(((words & 0xFFFF).astype(jnp.uint16),
+                              (words >> 16).astype(jnp.uint16))):
+        x_smem[:, pl.ds(i * half, half)] = lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def as_pairs(x_MK: jax.Array) -> jax.Array:
+    """bf16 [M, K] -> uint32 [M, K/2]: each word the pair (2j low, 2j + 1 high)
+    (a bitcast in XLA, no data movement)."""
+    m, k = x_MK.shape
+    return lax.bitcast_convert_type(x_MK.reshape(m, k // 2, 2), jnp.uint32)
+
+
 def _pipeline(step_fn, compute_context, *, cfg: sm90.TileConfig, num_w: int, planes: int,
               num_k_steps: int):
     """Warp-specialized K pipeline over one tile: ``planes`` x tiles [block_m, 64]
     and, per weight, packed [32, block_n] + scale [2, block_n] uint8 tiles."""
-    x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K), lambda k: (0, k))
+    x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K // 2), lambda k: (0, k))   # bf16 pairs
     packed_spec = plgpu.BlockSpec((BLOCK_K // 2, cfg.block_n), lambda k: (k, 0))
     scale_spec = plgpu.BlockSpec((BLOCK_K // BLOCK_SIZE, cfg.block_n), lambda k: (k, 0))
     return plgpu.emit_pipeline_warp_specialized(
@@ -173,8 +189,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
             pl.run_scoped, allocs=allocs,
             o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
             w_smem=plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
+            x_smem=plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
             collective_axes="wg")
-        def _scope(allocs, o_smem, w_smem):
+        def _scope(allocs, o_smem, w_smem, x_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
             @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
@@ -202,13 +219,16 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 
                     @pl.when(hi > lo)  # no decode and no WGMMA for a consumer without rows
                     def _issue():
+                        x_tiles = [x_smem.at[wg * planes + p] for p in range(planes)]
+                        for x_pairs, x_tile in zip(x_smems, x_tiles):
+                            split_pairs(x_pairs, x_tile)
                         for i, acc in enumerate(accs):
                             packed_smem, scale_smem = smems[planes + 2 * i:planes + 2 * i + 2]
                             tile = w_smem.at[wg * num_w + i]
                             decode_tile(packed_smem, scale_smem, tile, cfg.block_n)
                             plgpu.commit_smem()   # the decoded tile, visible to WGMMA
-                            for x_smem in x_smems[::-1]:   # lo plane (if any) first
-                                plgpu.wgmma(acc, x_smem, tile)
+                            for x_tile in x_tiles[::-1]:   # lo plane (if any) first
+                                plgpu.wgmma(acc, x_tile, tile)
                     # The pipeline slot is released when this step returns, and the
                     # decode tile is rewritten next step: WGMMAs must be done with both.
                     plgpu.wgmma_wait(0)
@@ -242,10 +262,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 
 def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: int) -> int:
     """Shared memory of one launch: pipeline stages (x planes + packed codes +
-    scales), the decoded bf16 tiles (one per consumer and weight), the output tile."""
+    scales), the decoded bf16 tiles (one per consumer and weight) and the
+    even/odd-split x tiles (one per consumer and plane), the output tile."""
     stage = (cfg.block_m * BLOCK_K * 2 * planes
              + num_weights * (BLOCK_K // 2 + BLOCK_K // BLOCK_SIZE) * cfg.block_n)
-    decoded = cfg.num_compute_wgs * num_weights * BLOCK_K * cfg.block_n * 2
+    decoded = cfg.num_compute_wgs * (num_weights * BLOCK_K * cfg.block_n
+                                     + planes * cfg.wg_block_m * BLOCK_K) * 2
     out_tile = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * out_bytes
     return cfg.max_concurrent_steps * stage + decoded + out_tile
 
@@ -334,8 +356,9 @@ def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
         return jnp.zeros((m, n), out_dtype)
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
-    x_pad = permute_k(sm90._pad_axis(sm90._pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad))
-    x_planes = list(sm90.split_bf16(x_pad)) if launch.planes == 2 else [x_pad]
+    x_pad = sm90._pad_axis(sm90._pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
+    x_planes = [as_pairs(p) for p in
+                (sm90.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in _pad_weight(w, launch.k_pad, launch.n_pad)]
     meta_4W = sm90.schedule(group_sizes_G, m, cfg.block_m)
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg, num_rows=m,

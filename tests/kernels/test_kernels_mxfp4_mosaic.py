@@ -66,14 +66,14 @@ def _decode_kernel(n: int):
 def test_in_kernel_decode_is_the_codec_bit_for_bit():
     """Every (low, high) code pair and every scale byte 0..255: bf16-subnormal
     results flushed to signed zeros, the largest finite values, overflow to
-    inf, byte 255 to NaN; rows in permute_k's order (even K, then odd)."""
+    inf, byte 255 to NaN; rows in the kernel's K order (even K, then odd)."""
     n = 256
     # byte (j + 3 col) mod 256 at [j, col]: all 256 bytes (every code pair) in each scale block
     packed = ((np.arange(64)[:, None] * 5 + 3 * np.arange(n)[None, :]) % 256).astype(np.uint8)
     scale = np.stack([np.roll(np.arange(256, dtype=np.uint8), 61 * r) for r in range(4)])
     got = np.asarray(jax.jit(_decode_kernel(n))(packed, scale).astype(F32))
     want = np.asarray(dequantize_expert(jnp.asarray(packed), jnp.asarray(scale), F32))
-    want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # permute_k's order
+    want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # even K, then odd
     assert np.array_equal(want, _decode_gkn(packed[None], scale[None])[0]
                           .reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n), equal_nan=True)
     nan = np.isnan(want)

@@ -25,8 +25,8 @@ SHAPES = {"gate_up_situ": (3584, 3072, 2), "down": (3072, 3584, 1)}
 TOKENS = {"decode": 16, "prefill": 4096}
 
 _FUSED = ("fused gate/up tile (two 64x64 f32 accumulators + the SiTU epilogue next to the "
-          "in-register decode, 255 registers): 28 B + 28 B of spill (a trivial epilogue "
-          "compiles without; BENCHMARKS.md, MXFP4 kernel)")
+          "in-register decode and x's even/odd split, 255 registers): 64 B + 80 B of spill "
+          "(BENCHMARKS.md, MXFP4 kernel)")
 KNOWN_SPILLS = {("gate_up_situ", "decode"): _FUSED, ("gate_up_situ", "prefill"): _FUSED}
 
 
