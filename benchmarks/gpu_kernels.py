@@ -85,6 +85,7 @@ from pallas_kernels import (
 )
 from pallas_kernels import peers as peers_lib
 from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.mxfp4 import Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -128,7 +129,8 @@ class GroupedCase:
     op "gate_up_situ": x [rows, latent] -> [rows, inter], two weights;
     op "down":         x [rows, inter] -> [rows, latent], one weight.
     mxfp4: the weights are MXFP4 (packed uint8 [G, K/2, N] + UE8M0 scales
-    [G, K/32, N] each), run by the Triton kernels only (label "<op>_mxfp4").
+    [G, K/32, N] each; label "<op>_mxfp4"): timed here by the Triton kernels
+    (bench_mxfp4.py times the "pallas" MXFP4 kernel), modelled by --model-only.
     """
 
     op: str
@@ -187,14 +189,22 @@ def _decode_GKN(packed_GHN, scale_GSN):
 
 
 def mxfp4_fn(op: str, backend: str) -> Callable:
-    """f(x, *(packed, scale) per weight, group_sizes) on "triton" or "xla"."""
+    """f(x, *(packed, scale) per weight, group_sizes) on "triton", "xla" (XLA
+    decode + ragged_dot) or "pallas" / "interpret" (mosaic_sm90_mxfp4.py's
+    in-kernel decode, through the grouped ops' MXFP4 dispatch)."""
+    if backend in ("pallas", "interpret"):
+        if op == "gate_up_situ":
+            return lambda x, gp, gs, up, us, s: grouped_situ_glu(
+                x, Mxfp4Weights(gp, gs), Mxfp4Weights(up, us), s, backend=backend, **SITU)
+        return lambda x, p, sc, s: grouped_matmul(x, Mxfp4Weights(p, sc), s, backend=backend)
     if backend == "xla":
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: reference.grouped_situ_glu(
                 x, _decode_GKN(gp, gs), _decode_GKN(up, us), s, **SITU)
         return lambda x, p, sc, s: reference.grouped_matmul(x, _decode_GKN(p, sc), s)
     if backend != "triton":
-        raise ValueError(f"MXFP4 rows run on the triton or xla backend, not {backend!r}")
+        raise ValueError(f"MXFP4 rows run on the triton, xla, pallas or interpret backend, "
+                         f"not {backend!r}")
     from pallas_kernels.grouped_matmul import triton_sm80
     if op == "gate_up_situ":
         return lambda x, gp, gs, up, us, s: triton_sm80.grouped_situ_glu_mxfp4(
