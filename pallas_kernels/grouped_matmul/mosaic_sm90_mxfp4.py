@@ -13,8 +13,8 @@ and the scales [4, block_n] uint8: 0.53125 bytes per weight parameter, the
 packed bytes, are all the weight traffic. The consumer warpgroup loads the
 codes as one [64, 32-column chunk] array in the WGMMA register layout, in
 which warp w holds rows 16w..16w+15 = scale block w (so each scale row is
-loaded once as a column vector, broadcast, and picked per row block by three
-selects), decodes them into a bf16 [128, block_n] SMEM tile of its own,
+loaded once as a column vector, broadcast, and picked per row block by a
+binary tree of three selects), decodes them into a bf16 [128, block_n] SMEM tile of its own,
 fences it (commit_smem) and issues the bf16 WGMMA from SMEM as mosaic_sm90.py
 does. One consumer warpgroup, 64-row tiles (see PLAIN / FUSED).
 
@@ -111,8 +111,9 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
 
     The codes are one [64, block_n] array in the WGMMA register layout, in
     which warp w holds rows 16w..16w+15: exactly scale block w. Each scale
-    row's factors are computed once per column (a WGMMA column vector) and
-    broadcast; three selects on the row block pick the warp's row."""
+    row's bits are computed once per column (a WGMMA column vector) and
+    broadcast; a binary tree of three selects on the row block picks the
+    warp's row."""
     wgmma = plgpu.Layout.WGMMA
     rows = BLOCK_K // 2
     cols = min(DECODE_COLS, block_n)
@@ -120,11 +121,13 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     @pl.loop(0, block_n // cols)   # column chunks, a real loop: fewer live registers
     def _chunk(c):
         chunk = pl.ds(pl.multiple_of(c * cols, cols), cols)
-        bits = None
-        for blk in range(BLOCK_K // BLOCK_SIZE):
-            row = plgpu.load(scale_smem.at[blk, chunk], layout=wgmma.reduce(0))
-            bits_blk = jnp.broadcast_to(scale_bits(row)[None, :], (rows, cols))
-            bits = bits_blk if bits is None else jnp.where(block_of_row == blk, bits_blk, bits)
+        blk_bits = [jnp.broadcast_to(scale_bits(plgpu.load(scale_smem.at[blk, chunk],
+                                                           layout=wgmma.reduce(0)))[None, :],
+                                     (rows, cols)) for blk in range(BLOCK_K // BLOCK_SIZE)]
+        odd_block = (block_of_row & 1) != 0       # two masks: a binary tree of selects
+        high_half = block_of_row >= 2
+        bits = jnp.where(high_half, jnp.where(odd_block, blk_bits[3], blk_bits[2]),
+                         jnp.where(odd_block, blk_bits[1], blk_bits[0]))
         packed = plgpu.load(packed_smem.at[:, chunk], layout=wgmma).astype(jnp.int32)
         w_smem[pl.ds(0, rows), chunk] = _decode_nibbles(packed & 0xF, bits)
         w_smem[pl.ds(rows, rows), chunk] = _decode_nibbles(packed >> 4, bits)

@@ -25,7 +25,7 @@ SHAPES = {"gate_up_situ": (3584, 3072, 2), "down": (3072, 3584, 1)}
 TOKENS = {"decode": 16, "prefill": 4096}
 
 _FUSED = ("fused gate/up tile (two 64x64 f32 accumulators + the SiTU epilogue next to the "
-          "in-register decode and x's even/odd split, 255 registers): 64 B + 80 B of spill "
+          "in-register decode and x's even/odd split, 255 registers): 56 B + 56 B of spill "
           "(BENCHMARKS.md, MXFP4 kernel)")
 KNOWN_SPILLS = {("gate_up_situ", "decode"): _FUSED, ("gate_up_situ", "prefill"): _FUSED}
 
