@@ -4,9 +4,10 @@ scales, 0.53125 B per parameter) at the first EP of the plan, every token
 count (decode and prefill), three implementations on the same arguments:
 
   "mxfp4"        grouped_matmul / grouped_situ_glu on the packed weights (the
-                 backend's MXFP4 path: the blocked loop that dequantizes one
-                 active expert at a time; no Mosaic kernel takes packed
-                 weights yet);
+                 backend's MXFP4 path: on "pallas" the Mosaic kernel that
+                 TMA-streams the packed codes and scales and decodes them in
+                 registers, mosaic_sm90_mxfp4.py; on "xla" the blocked loop
+                 that dequantizes one active expert at a time);
   "bf16"         the kernel backend on bf16 weights (the same values
                  dequantized once, outside the timing): what MXFP4 should match;
   "dequant_ragged_dot"  dequantize every local expert, then jax.lax.ragged_dot
@@ -15,6 +16,10 @@ count (decode and prefill), three implementations on the same arguments:
 
 Weight traffic is counted in packed bytes for "mxfp4" (0.53125 B per active
 parameter) and bf16 bytes otherwise; "pct_copy" is against the copy ceiling.
+Each row also carries the cost model's prediction for the MXFP4 kernel
+("model": pallas_kernels/cost_model.grouped_cost(..., mxfp4=True)).
+No library peer: tokamax 0.0.17's quantized ragged_dot does not compile MXFP4
+(E2M1, 32-wide E8M0 scales) for sm_90a (ENVIRONMENT.md, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -67,12 +72,15 @@ def device_memory_bytes(device) -> int | None:
 
 
 def run_mxfp4(sweep, cases, *, situ: dict, check: Callable, rates: Callable,
-              time_all: Callable) -> None:
+              time_all: Callable, model: Callable | None = None) -> None:
     """One "mxfp4" row per case (gpu_kernels.GroupedCase); check(name, out,
-    ref, valid_rows) -> rel err, rates(flops, bytes, seconds, ceilings) -> dict."""
+    ref, valid_rows) -> rel err, rates(flops, bytes, seconds, ceilings) -> dict,
+    model(case) -> the cost model's fields for the MXFP4 kernel (or None)."""
     memory = device_memory_bytes(jax.devices()[0])
     for case in cases:
         fields = {**case.fields(), "bytes_per_param_mxfp4": MXFP4_BYTES_PER_PARAM}
+        if model is not None:   # the MXFP4 kernel's predicted time (the sweep's routing for the case)
+            fields["model"] = model(case)
         if sweep.out_of_time():
             sweep.results.add("mxfp4", {**fields, "skipped": "time budget"})
             continue

@@ -15,8 +15,11 @@ One run measures, on one GPU:
     weight-read bandwidth vs the copy ceiling;
   * the fused dense/shared MLP up-projection situ_mlp_up (D = 7168,
     F = 6144 / tp) vs the unfused XLA reference;
-  * MXFP4 experts at the first EP (bench_mxfp4.py): packed weights vs bf16
-    weights vs "dequantize + ragged_dot", with packed bytes per parameter.
+  * MXFP4 experts at the first EP (bench_mxfp4.py): packed weights (on
+    "pallas": mosaic_sm90_mxfp4.py's in-kernel decode, with its cost-model
+    prediction) vs bf16 weights vs "dequantize + ragged_dot", with packed
+    bytes per parameter. No library peer takes MXFP4 on sm_90 (tokamax's
+    quantized ragged_dot fails to compile E2M1 / E8M0 there).
   * with jax-triton installed (the ``triton`` extra): the Triton kernels
     (--backend triton, pallas_kernels/*/triton_sm80.py) as a peer on every
     grouped and MLP row of a Hopper run ("triton" column), and MXFP4 rows
@@ -82,6 +85,7 @@ from pallas_kernels import (
 )
 from pallas_kernels import peers as peers_lib
 from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.mxfp4 import Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -125,7 +129,8 @@ class GroupedCase:
     op "gate_up_situ": x [rows, latent] -> [rows, inter], two weights;
     op "down":         x [rows, inter] -> [rows, latent], one weight.
     mxfp4: the weights are MXFP4 (packed uint8 [G, K/2, N] + UE8M0 scales
-    [G, K/32, N] each), run by the Triton kernels only (label "<op>_mxfp4").
+    [G, K/32, N] each; label "<op>_mxfp4"): timed here by the Triton kernels
+    (bench_mxfp4.py times the "pallas" MXFP4 kernel), modelled by --model-only.
     """
 
     op: str
@@ -184,14 +189,22 @@ def _decode_GKN(packed_GHN, scale_GSN):
 
 
 def mxfp4_fn(op: str, backend: str) -> Callable:
-    """f(x, *(packed, scale) per weight, group_sizes) on "triton" or "xla"."""
+    """f(x, *(packed, scale) per weight, group_sizes) on "triton", "xla" (XLA
+    decode + ragged_dot) or "pallas" / "interpret" (mosaic_sm90_mxfp4.py's
+    in-kernel decode, through the grouped ops' MXFP4 dispatch)."""
+    if backend in ("pallas", "interpret"):
+        if op == "gate_up_situ":
+            return lambda x, gp, gs, up, us, s: grouped_situ_glu(
+                x, Mxfp4Weights(gp, gs), Mxfp4Weights(up, us), s, backend=backend, **SITU)
+        return lambda x, p, sc, s: grouped_matmul(x, Mxfp4Weights(p, sc), s, backend=backend)
     if backend == "xla":
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: reference.grouped_situ_glu(
                 x, _decode_GKN(gp, gs), _decode_GKN(up, us), s, **SITU)
         return lambda x, p, sc, s: reference.grouped_matmul(x, _decode_GKN(p, sc), s)
     if backend != "triton":
-        raise ValueError(f"MXFP4 rows run on the triton or xla backend, not {backend!r}")
+        raise ValueError(f"MXFP4 rows run on the triton, xla, pallas or interpret backend, "
+                         f"not {backend!r}")
     from pallas_kernels.grouped_matmul import triton_sm80
     if op == "gate_up_situ":
         return lambda x, gp, gs, up, us, s: triton_sm80.grouped_situ_glu_mxfp4(
@@ -594,10 +607,12 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
 def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     """The cost model's prediction for one grouped row (the kernel and tiles
     the launcher picks, named in its config), with the targets' ratios."""
-    cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights,
+                                  mxfp4=case.mxfp4)
     active = int(np.count_nonzero(sizes))
     useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
-    weight_bytes = 2.0 * active * case.k * case.n * case.num_weights
+    # MXFP4 rows: the packed bytes (0.53125 B per parameter) are the weight traffic
+    weight_bytes = (17 / 32 if case.mxfp4 else 2.0) * active * case.k * case.n * case.num_weights
     xla_s = cost_model.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
                                               case.num_weights)
     seconds = cost.predicted_us * 1e-6
@@ -617,26 +632,29 @@ def model_mlp(case: MlpCase) -> dict:
 
 def model_all(plan: Plan) -> dict:
     """Every row of the sweep, as the static cost model predicts it (no GPU)."""
-    grouped = [{"op": c.op, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
+    # MXFP4 rows ("<op>_mxfp4", mosaic_sm90_mxfp4's kernel) beside the bf16 ones
+    grouped = [{"op": c.label, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
                 "local_experts": c.local_experts, "K": c.k, "N": c.n,
                 "active_experts": int(np.count_nonzero(grouped_sizes(c))),
-                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan)]
+                **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan, mxfp4=True)]
     mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
             **model_mlp(c)} for c in mlp_cases(plan)]
     return {"meta": {"model": "pallas_kernels/cost_model.py", "num_sms": cost_model.H200_NUM_SMS,
                      "dense_bf16_flops": cost_model.DENSE_BF16_FLOPS,
                      "copy_bytes_per_s": cost_model.COPY_BYTES_PER_S,
                      "tile_overhead_s": cost_model.TILE_OVERHEAD_S, "top_k": plan.top_k,
+                     "mxfp4_decode_ops_per_param": cost_model.MXFP4_DECODE_OPS_PER_PARAM,
+                     "sm_lane_ops_per_s": cost_model.SM_LANE_OPS_PER_S,
                      "num_experts": plan.num_experts},
             "grouped": grouped, "mlp": mlp}
 
 
 def print_model(model: dict) -> None:
-    print(f"{'op':<13}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
+    print(f"{'op':<19}{'ep':>4}{'tp':>4}{'tokens':>7}{'tiles':>7}{'fill':>6}{'reads':>7}"
           f"{'x/w':>7}{'rows':>6}{'pred us':>9}  vs XLA")
     for r in model["grouped"] + model["mlp"]:
         vs = r.get("speedup_vs_xla_dense", r.get("speedup_vs_xla_roofline"))
-        print(f"{r['op']:<13}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
+        print(f"{r['op']:<19}{r['ep'] or '':>4}{r['tp'] or '':>4}{r['tokens']:>7}{r['tiles']:>7}"
               f"{r['sm_fill']:>6.2f}{r['weight_reads_per_active_expert']:>7.3f}"
               f"{r['x_bytes_over_weight_bytes']:>7.3f}{r['rows_computed_per_useful_row']:>6.2f}"
               f"{r['predicted_us']:>9.1f}  {vs:.2f}x")
@@ -811,7 +829,10 @@ def main(argv=None) -> int:
         run_mlp(plan, sweep)
         run_grouped(plan, sweep)
         run_mxfp4(sweep, [c for c in grouped_cases(plan) if c.ep == plan.eps[0]], situ=SITU,
-                  check=check_against_reference, rates=_rates, time_all=time_all)
+                  check=check_against_reference, rates=_rates, time_all=time_all,
+                  model=(lambda c: model_grouped(dataclasses.replace(c, mxfp4=True),
+                                                 grouped_sizes(c)))
+                  if kernel_backend == "pallas" else None)
     except KernelMismatch as e:
         print(f"ABORT: kernel output is wrong, not timing it: {e}", file=sys.stderr)
         return 3

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
 
 H200_NUM_SMS = 132
 DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
@@ -44,6 +44,15 @@ COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project
 # the next tile's loads start (an assumption, ~1 HBM round trip + issue).
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
+# The MXFP4 kernel's in-register decode (mosaic_sm90_mxfp4.py), counted from
+# its source: ~20 integer / float32 operations per weight parameter (nibble
+# split, widen, scale-row select, magnitude bits, b = 0 fix, scale multiply,
+# flush, sign, cvt; ~1 for splitting x into even / odd K), one per CUDA-core
+# lane and clock; a consumer warpgroup (128 lanes) decodes while its own
+# WGMMAs wait. H200 SXM boost clock 1.98 GHz (data sheet): an assumption, not
+# measured.
+MXFP4_DECODE_OPS_PER_PARAM = 20
+SM_LANE_OPS_PER_S = 128 * 1.98e9
 SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
 SM_FILL_TARGET = 0.9  # issue 12: every MLP launch fills >= 90% of the SMs
 SPLIT_FILL_SCREEN = 0.85  # mlp_candidates: split-K factors whose equal tiles fill less are skipped
@@ -108,13 +117,22 @@ def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
 
 def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                  dtype=jnp.bfloat16, config: mosaic_sm90.TileConfig | None = None,
-                 num_sms: int = H200_NUM_SMS, static_sizes: bool = False) -> KernelCost:
+                 num_sms: int = H200_NUM_SMS, static_sizes: bool = False,
+                 mxfp4: bool = False) -> KernelCost:
     """Model one grouped launch: x [m, k] (rows sorted by group) times
     num_weights weights [G, k, n] with the concrete ``group_sizes_G``, passed
     to the kernel traced (its table has the static bound's W columns) or,
-    static_sizes=True, as numpy (the dense MLP: only the used items)."""
+    static_sizes=True, as numpy (the dense MLP: only the used items).
+
+    mxfp4=True models mosaic_sm90_mxfp4's kernel: its launch plan, weight
+    tiles of 0.53125 B per parameter (packed codes + scales), and per K step
+    the decode (MXFP4_DECODE_OPS_PER_PARAM on the consumer's lanes) in series
+    with that consumer's WGMMAs."""
     sizes = np.asarray(group_sizes_G, np.int64)
-    launch = mosaic_sm90.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    if mxfp4:
+        launch = mosaic_sm90_mxfp4.plan_launch(m, k, n, len(sizes), num_weights, dtype, config)
+    else:
+        launch = mosaic_sm90.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg = launch.cfg
     planes = launch.planes
     in_bytes = 2 * planes
@@ -135,12 +153,16 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     wgs_W = np.where(matmul_W, mosaic_sm90.active_warpgroups(offset_W, count_W, cfg), 0)
     steps_S = np.array([mosaic_sm90.k_range(s, launch.num_k_steps, split_k)[1]
                         for s in range(split_k)])
-    products = 1 if planes == 1 else 3
+    products = (planes if mxfp4 else 1 if planes == 1 else 3)
     flops_SW = (steps_S[:, None] * wgs_W * WG_ROWS * cfg.block_n * cfg.block_k * 2
                 * num_weights * products)
     x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_m * cfg.block_k * in_bytes, 0)
+    w_bytes_per_param = 17 / 32 if mxfp4 else in_bytes
     w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n
-                                       * in_bytes, 0)
+                                       * w_bytes_per_param, 0)
+    # MXFP4: each active consumer decodes the whole weight tile (in series with its WGMMAs).
+    decode_SW = (steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n, 0)
+                 * MXFP4_DECODE_OPS_PER_PARAM / SM_LANE_OPS_PER_S) if mxfp4 else 0.0
     # Stores: the item's rows (split-K: f32 partials, one per weight and K range).
     o_SW = np.broadcast_to(count_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
     # HBM traffic of a tile: its weights when it is its group's first item
@@ -150,8 +172,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
     per_sm_flops = DENSE_BF16_FLOPS / num_sms
     per_sm_bw = COPY_BYTES_PER_S / num_sms
-    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops, hbm_SW / per_sm_bw)
-                       + TILE_OVERHEAD_S, 0.0)
+    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops + decode_SW,
+                                               hbm_SW / per_sm_bw) + TILE_OVERHEAD_S, 0.0)
 
     # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
     with mosaic_sm90.host_eval():
@@ -175,7 +197,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * n_blocks),
         predicted_us=(busiest + reduce_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes})
+        config={**dataclasses.asdict(cfg), "planes": planes, "mxfp4": mxfp4})
 
 
 def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
@@ -318,10 +340,15 @@ def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: in
 
 
 def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
-                dtype=jnp.bfloat16, num_sms: int = H200_NUM_SMS) -> KernelCost:
+                dtype=jnp.bfloat16, mxfp4: bool = False,
+                num_sms: int = H200_NUM_SMS) -> KernelCost:
     """The launch the grouped launcher runs for these shapes
-    (best_grouped_config), costed on the actual group_sizes_G, with the
-    kernel named in its config."""
+    (best_grouped_config; MXFP4 weights: mosaic_sm90_mxfp4), costed on the
+    actual group_sizes_G, with the kernel named in its config."""
+    if mxfp4:
+        cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, mxfp4=True,
+                            num_sms=num_sms)
+        return dataclasses.replace(cost, config={**cost.config, "kernel": "mosaic_sm90_mxfp4"})
     decode = best_grouped_config(m, k, n, len(group_sizes_G), num_weights,
                                  jnp.dtype(dtype).name, num_sms)
     if decode is not None:
@@ -422,7 +449,8 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "SM_FILL_TARGET", "SPLIT_TIE",
-           "TILE_OVERHEAD_S", "KernelCost", "best_grouped_config", "best_mlp_config",
-           "decode_candidates", "decode_cost", "grouped_cost", "launch_cost", "mlp_candidates",
-           "mlp_cost", "proxy_group_sizes", "roofline_s", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DECODE_OPS_PER_PARAM",
+           "SM_FILL_TARGET", "SM_LANE_OPS_PER_S", "SPLIT_TIE", "TILE_OVERHEAD_S", "KernelCost",
+           "best_grouped_config", "best_mlp_config", "decode_candidates", "decode_cost", "grouped_cost",
+           "launch_cost", "mlp_candidates", "mlp_cost", "proxy_group_sizes", "roofline_s",
+           "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

@@ -30,7 +30,7 @@ from k3jax.cli import main
 from k3jax.config import TINY
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from numerics import rel_err
-from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4
 from reference_np import np_mlp, np_moe, np_route
 
 TOKENS = 5  # odd: pads to 6 rows under sequence parallelism over 2 devices
@@ -169,14 +169,30 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
+@pytest.fixture
+def mxfp4_kernel_calls(monkeypatch):
+    """Records (weight count, x shape, logical weight shape) of every MXFP4
+    Mosaic kernel launch traced (mosaic_sm90_mxfp4._mxfp4_call)."""
+    calls = []
+    original = mosaic_sm90_mxfp4._mxfp4_call
+
+    def spy(x_MK, weights, group_sizes_G, **kwargs):
+        assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
+        calls.append((len(weights), tuple(x_MK.shape), tuple(weights[0].shape)))
+        return original(x_MK, weights, group_sizes_G, **kwargs)
+
+    monkeypatch.setattr(mosaic_sm90_mxfp4, "_mxfp4_call", spy)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["single", "sp_ep"])
-def test_interpret_with_packed_mxfp4_experts(checkpoints, x_path, tmp_path, kernel_calls, capsys,
-                                             layout, dtype):
-    """Experts stay MXFP4-packed on the device; the grouped matmuls take them
-    packed (Mxfp4Weights) and dequantize one active expert at a time (the
-    blocked path: no Mosaic kernel takes packed weights yet, so only the
-    shared expert's fused up-projection launches a kernel)."""
+def test_interpret_with_packed_mxfp4_experts(checkpoints, x_path, tmp_path, kernel_calls,
+                                             mxfp4_kernel_calls, capsys, layout, dtype):
+    """Experts stay MXFP4-packed on the device; the routed grouped matmuls take
+    them packed (Mxfp4Weights) into the MXFP4 Mosaic kernel (in-kernel decode,
+    mosaic_sm90_mxfp4.py: fused gate/up and down), and the shared expert's
+    bf16 up-projection runs the plain Mosaic kernel."""
     flags = LAYOUTS[layout]
     argv = ["run", "--checkpoint", str(checkpoints["mxfp4"]), "--layer", "1", "--input",
             str(x_path), "--output", str(tmp_path / "y.npy"), "--backend", "interpret",
@@ -186,6 +202,9 @@ def test_interpret_with_packed_mxfp4_experts(checkpoints, x_path, tmp_path, kern
     out = capsys.readouterr().out
     assert "w1_packed_ELF" in out and "w2_scale_EFL" in out, out  # packed on the device
     assert {num_w for num_w, _, _ in kernel_calls} == {2}, kernel_calls
+    assert {num_w for num_w, _, _ in mxfp4_kernel_calls} == {1, 2}, mxfp4_kernel_calls
+    if layout == "sp_ep":  # per-device: 16 experts / 2 devices = 8 local
+        assert all(w_shape[0] == 8 for _, _, w_shape in mxfp4_kernel_calls), mxfp4_kernel_calls
     x = np.load(x_path)
     if dtype == "bfloat16":   # the reference sees the bf16-rounded input and weights
         t = {k: _bf16(v) for k, v in layer_tensors(checkpoints["mxfp4"], 1).items()}

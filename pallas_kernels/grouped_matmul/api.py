@@ -11,17 +11,21 @@ The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
 Weights may be MXFP4 (``pallas_kernels.mxfp4.Mxfp4Weights``: codes packed
-along K + UE8M0 scales); they run Triton's in-kernel dequantization on
-"triton" and the blocked path on every other backend, which dequantizes one
-active group at a time inside its loop (no Mosaic kernel takes packed
-weights yet).
+along K + UE8M0 scales). They run mosaic_sm90_mxfp4.py's kernel on "pallas"
+(the default on Hopper) and "interpret" (TMA streams the packed codes and
+scales; the decode to bf16 happens in the kernel; bf16 or float32 x),
+Triton's in-kernel dequantization on "triton", and the blocked path on "xla"
+(one active group dequantized at a time inside its loop; also when only one
+of the fused pair is MXFP4).
 
 Differentiable in x and the (float) weights on every backend through
 vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan on the transposed
-weights, dw by reference.tgmm). MXFP4 weights are frozen: jax's autodiff of
-the blocked scan gives x its gradient, the packed weights get none. (jax's
+weights, dw by reference.tgmm). MXFP4 weights are frozen: x gets its gradient
+(jax's autodiff of the blocked scan), the packed weights get none. (jax's
 autodiff of the blocked scan with float weights crashed XLA:CPU under an
-8-device shard_map, a segmentation fault; the custom VJP avoids it.)
+8-device shard_map, a segmentation fault; the custom VJP avoids it.) On
+"pallas" / "interpret", MXFP4 weights go through mxfp4_vjp.py's custom VJP:
+the kernel forward, x's gradient from jax's VJP of the blocked path.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, mosaic_sm90_decode, vjp
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, mosaic_sm90_decode, mxfp4_vjp, vjp
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.situ import check_betas
 
@@ -100,6 +104,8 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
         if impl == "triton":   # in-kernel dequantization (W4A16)
             return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GKN, w_GKN.scale_GKN,
                                                          group_sizes_G)
+        if impl in ("pallas", "interpret"):   # in-kernel decode + bf16 WGMMA (W4A16)
+            return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl == "interpret")
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if impl == "xla":
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
@@ -146,6 +152,9 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
         return triton_kernels().grouped_situ_glu_mxfp4(
             x_MK, w_gate_GKN.packed_GKN, w_gate_GKN.scale_GKN, w_up_GKN.packed_GKN,
             w_up_GKN.scale_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+    if all(packed) and impl in ("pallas", "interpret"):   # in-kernel decode + bf16 WGMMA
+        return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
+                                          linear_beta, impl == "interpret")
     if impl == "xla" or any(packed):
         return blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta)

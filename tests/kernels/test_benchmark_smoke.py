@@ -154,12 +154,20 @@ def test_model_only_writes_every_row_of_the_sweep_without_a_gpu(tmp_path):
     model = json.loads(out.read_text())
     rows = model["grouped"] + model["mlp"]
     assert [(r["op"], r["ep"], r["tp"], r["tokens"]) for r in rows] == [
-        ("gate_up_situ", 32, None, 16), ("down", 32, None, 16), ("situ_mlp_up", None, 8, 8)]
+        ("gate_up_situ", 32, None, 16), ("gate_up_situ_mxfp4", 32, None, 16),
+        ("down", 32, None, 16), ("down_mxfp4", 32, None, 16), ("situ_mlp_up", None, 8, 8)]
     fields = {"op", "ep", "tp", "tokens", "tiles", "sm_fill", "weight_reads_per_active_expert",
               "x_bytes_over_weight_bytes", "rows_computed_per_useful_row", "predicted_us"}
     for r in rows:
         assert fields <= set(r) and r["predicted_us"] > 0 and 0 < r["sm_fill"] <= 1, r
     assert all(r["weight_reads_per_active_expert"] <= 1.05 for r in model["grouped"])
+    # MXFP4 rows (mosaic_sm90_mxfp4's kernel): 17/32 of the bf16 rows' weight bytes
+    by_op = {r["op"]: r for r in model["grouped"]}
+    for op in ("gate_up_situ", "down"):
+        mx, bf = by_op[op + "_mxfp4"], by_op[op]
+        assert mx["config"]["mxfp4"] and not bf["config"]["mxfp4"]
+        assert mx["config"]["num_compute_wgs"] == bf["config"]["num_compute_wgs"] == 1
+        assert mx["hbm_bytes"]["weights"] == pytest.approx(bf["hbm_bytes"]["weights"] * 17 / 64)
     assert model["mlp"][0]["config"]["split_k"] > 1 and model["mlp"][0]["sm_fill"] >= 0.9
 
 
