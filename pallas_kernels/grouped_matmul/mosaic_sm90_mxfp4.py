@@ -73,6 +73,7 @@ _HALF = BLOCK_SIZE // 2   # packed rows per scale block (16)
 DECODE_COLS = 32          # columns decoded at a time (registers: 16 per int32 array; 16 has no
                           # bank-conflict-free SMEM transfer for uint8)
 _MIN_NORMAL_F32 = float(2.0 ** -126)
+EPILOGUE_COLS = 32   # fused SiTU epilogue: columns per chunk (registers)
 
 
 def scale_bits(scale_row):
@@ -192,8 +193,10 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
             o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
             w_smem=plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
             x_smem=plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
+            g_smem=plgpu.SMEM((cfg.num_compute_wgs if num_w == 2 else 0, wg_m, cfg.block_n),
+                              jnp.float32),
             collective_axes="wg")
-        def _scope(allocs, o_smem, w_smem, x_smem):
+        def _scope(allocs, o_smem, w_smem, x_smem, g_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
             @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
@@ -242,7 +245,26 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
                     @functools.partial(pl.run_scoped, accs=accs)
                     def _acc_scope(accs):
                         run_pipeline(tuple(accs))
-                        store(epilogue(*[acc[...] for acc in accs]))
+                        if num_w == 1:
+                            store(epilogue(accs[0][...]))
+                            return
+                        # Fused: the gate products go to SMEM first (each thread
+                        # reads back what it wrote: no barrier), so the SiTU runs
+                        # on column chunks with one accumulator live, not two.
+                        g_smem[wg] = accs[0][...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous store
+                        cols = min(EPILOGUE_COLS, cfg.block_n)
+                        for c in range(cfg.block_n // cols):
+                            chunk = pl.ds(c * cols, cols)
+                            gate = plgpu.load(g_smem.at[wg, :, chunk],
+                                              layout=plgpu.Layout.WGMMA)
+                            o_smem[wg, :, chunk] = epilogue(gate, accs[1][:, chunk]).astype(
+                                out_dtype)
+                        plgpu.commit_smem()
+                        sm90._store_rows(o_smem.at[wg], o_gmem, row0=x_row0 + wg * wg_m,
+                                         offset=lo, count=hi - lo,
+                                         col0=n_block * cfg.block_n, block_n=cfg.block_n,
+                                         max_rows=min(wg_m, num_rows))
 
                 @pl.when((count > 0) & (group >= 0))
                 def _matmul():
@@ -265,19 +287,23 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: int) -> int:
     """Shared memory of one launch: pipeline stages (x planes + packed codes +
     scales), the decoded bf16 tiles (one per consumer and weight) and the
-    even/odd-split x tiles (one per consumer and plane), the output tile."""
+    even/odd-split x tiles (one per consumer and plane), the output tile and
+    (fused) the f32 gate products the epilogue stages through SMEM."""
     stage = (cfg.block_m * BLOCK_K * 2 * planes
              + num_weights * (BLOCK_K // 2 + BLOCK_K // BLOCK_SIZE) * cfg.block_n)
     decoded = cfg.num_compute_wgs * (num_weights * BLOCK_K * cfg.block_n
                                      + planes * cfg.wg_block_m * BLOCK_K) * 2
     out_tile = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * out_bytes
-    return cfg.max_concurrent_steps * stage + decoded + out_tile
+    gate_f32 = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * 4 if num_weights == 2 else 0
+    return cfg.max_concurrent_steps * stage + decoded + out_tile + gate_f32
 
 
 # One consumer warpgroup (64-row tiles) for every M: each consumer decodes the
 # weight tile it multiplies, so a taller tile would decode it once per 64 rows
 # anyway. The fused product narrows N to 64: two 64x128 f32 accumulators (128
-# registers a thread) plus the decode spilled 24 B (ptxas, sm_90a); stages are
+# registers a thread) plus the decode spilled 24 B (ptxas, sm_90a); at 64 its
+# SiTU epilogue on both accumulators still spilled 56 B, so the gate products
+# go through SMEM and the SiTU runs on 32-column chunks (0 spills); stages are
 # then as many as SMEM holds.
 PLAIN = sm90.TileConfig(num_compute_wgs=1, block_n=128, block_k=BLOCK_K, max_concurrent_steps=8)
 FUSED = sm90.TileConfig(num_compute_wgs=1, block_n=64, block_k=BLOCK_K, max_concurrent_steps=8)
