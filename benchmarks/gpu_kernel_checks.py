@@ -128,13 +128,14 @@ CASES: list[Case] = [
     # the weights-on-M decode kernel (mosaic_sm90_decode): one and two consumers,
     # split-K, the NaN tail and empty groups, float32, and 4 CTAs running
     # hundreds of tiles each with K = 1024 (the stage ring wraps)
+    # (tilings that compile without spills: tests/test_aot_kernels.py checks it)
     Case("matmul", 300, 1024, 512, 16, "zeros_skewed", BF16,
-         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=32)),
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=128, block_t=32)),
     Case("situ_glu", 300, 1024, 512, 16, "sum_lt_m", BF16,
-         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=16,
                                                 split_k=2)),
     Case("situ_glu", 120, 512, 256, 8, "sum_lt_m", F32,
-         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16)),
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16)),
     Case("matmul", 1024, 1024, 4096, 64, "uniform", BF16,
          decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=24,
                                                 num_ctas=4)),

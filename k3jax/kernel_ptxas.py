@@ -14,6 +14,7 @@ Processes must run with JAX_PLATFORMS=cpu (see k3jax/aot.py).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import jax
@@ -68,7 +69,10 @@ class GroupedLaunch:
 
 # The primitive plgpu.kernel binds (jax 0.11.2); its "name" param is our kernel_name.
 _MOSAIC_KERNEL_PRIMITIVE = "mpmd_map"
-_GROUPED_KERNELS = ("grouped_matmul_m", "grouped_situ_glu_m")
+# Our float grouped kernels: the row-major tiles (mosaic_sm90: "..._m64") and
+# the weights-on-M decode tiles (mosaic_sm90_decode: "..._decode_t16"). The
+# MXFP4 kernels ("..._mxfp4_m64") are left out: no peer takes MXFP4 on sm_90.
+_GROUPED_KERNELS = re.compile(r"grouped_(matmul|situ_glu)_(m|decode_t)\d+")
 
 
 def grouped_launches(jaxpr: jax_core.Jaxpr) -> list[GroupedLaunch]:
@@ -79,7 +83,7 @@ def grouped_launches(jaxpr: jax_core.Jaxpr) -> list[GroupedLaunch]:
     def walk(jp: jax_core.Jaxpr) -> None:
         for eqn in jp.eqns:
             name = eqn.params.get("name") if eqn.primitive.name == _MOSAIC_KERNEL_PRIMITIVE else None
-            if isinstance(name, str) and name.startswith(_GROUPED_KERNELS):
+            if isinstance(name, str) and _GROUPED_KERNELS.match(name):
                 avals = [v.aval for v in eqn.invars]
                 x = next(a for a in avals if a.ndim == 2 and a.dtype != jnp.int32)
                 ws = [a for a in avals if a.ndim == 3]

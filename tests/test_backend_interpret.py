@@ -30,7 +30,7 @@ from k3jax.cli import main
 from k3jax.config import TINY
 from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from numerics import rel_err
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
 from reference_np import np_mlp, np_moe, np_route
 
 TOKENS = 5  # odd: pads to 6 rows under sequence parallelism over 2 devices
@@ -99,16 +99,22 @@ def x_path(tmp_path_factory):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Records (weight count, x shape, weight shape) of every Mosaic kernel launch traced."""
+    """Records (weight count, x shape, weight shape) of every Mosaic kernel launch
+    traced: the row-major tiles (mosaic_sm90) and the weights-on-M decode tiles
+    (mosaic_sm90_decode, which the launcher picks at small rows per group)."""
     calls = []
-    original = mosaic_sm90._grouped_call
 
-    def spy(x_MK, w_GKNs, group_sizes_G, **kwargs):
-        assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
-        calls.append((len(w_GKNs), tuple(x_MK.shape), tuple(w_GKNs[0].shape)))
-        return original(x_MK, w_GKNs, group_sizes_G, **kwargs)
+    def spy_on(module):
+        original = module._grouped_call
 
-    monkeypatch.setattr(mosaic_sm90, "_grouped_call", spy)
+        def spy(x_MK, w_GKNs, group_sizes_G, **kwargs):
+            assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
+            calls.append((len(w_GKNs), tuple(x_MK.shape), tuple(w_GKNs[0].shape)))
+            return original(x_MK, w_GKNs, group_sizes_G, **kwargs)
+        monkeypatch.setattr(module, "_grouped_call", spy)
+
+    spy_on(mosaic_sm90)
+    spy_on(mosaic_sm90_decode)
     monkeypatch.delenv("K3JAX_SHARD_SP_SHARED_EXPERT", raising=False)
     return calls
 
