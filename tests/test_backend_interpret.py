@@ -97,24 +97,28 @@ def x_path(tmp_path_factory):
     return path
 
 
+def _record_launches(monkeypatch, module, launcher: str, calls: list) -> None:
+    """Wrap ``module.<launcher>(x_MK, weights, group_sizes_G, **kwargs)`` so each
+    traced launch appends (weight count, x shape, weight shape) to ``calls``
+    and must run in interpret mode."""
+    original = getattr(module, launcher)
+
+    def spy(x_MK, weights, group_sizes_G, **kwargs):
+        assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
+        calls.append((len(weights), tuple(x_MK.shape), tuple(weights[0].shape)))
+        return original(x_MK, weights, group_sizes_G, **kwargs)
+
+    monkeypatch.setattr(module, launcher, spy)
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Records (weight count, x shape, weight shape) of every Mosaic kernel launch
     traced: the row-major tiles (mosaic_sm90) and the weights-on-M decode tiles
     (mosaic_sm90_decode, which the launcher picks at small rows per group)."""
     calls = []
-
-    def spy_on(module):
-        original = module._grouped_call
-
-        def spy(x_MK, w_GKNs, group_sizes_G, **kwargs):
-            assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
-            calls.append((len(w_GKNs), tuple(x_MK.shape), tuple(w_GKNs[0].shape)))
-            return original(x_MK, w_GKNs, group_sizes_G, **kwargs)
-        monkeypatch.setattr(module, "_grouped_call", spy)
-
-    spy_on(mosaic_sm90)
-    spy_on(mosaic_sm90_decode)
+    _record_launches(monkeypatch, mosaic_sm90, "_grouped_call", calls)
+    _record_launches(monkeypatch, mosaic_sm90_decode, "_grouped_call", calls)
     monkeypatch.delenv("K3JAX_SHARD_SP_SHARED_EXPERT", raising=False)
     return calls
 
@@ -180,14 +184,7 @@ def mxfp4_kernel_calls(monkeypatch):
     """Records (weight count, x shape, logical weight shape) of every MXFP4
     Mosaic kernel launch traced (mosaic_sm90_mxfp4._mxfp4_call)."""
     calls = []
-    original = mosaic_sm90_mxfp4._mxfp4_call
-
-    def spy(x_MK, weights, group_sizes_G, **kwargs):
-        assert kwargs["interpret"], "the interpret backend must run the kernel in interpret mode"
-        calls.append((len(weights), tuple(x_MK.shape), tuple(weights[0].shape)))
-        return original(x_MK, weights, group_sizes_G, **kwargs)
-
-    monkeypatch.setattr(mosaic_sm90_mxfp4, "_mxfp4_call", spy)
+    _record_launches(monkeypatch, mosaic_sm90_mxfp4, "_mxfp4_call", calls)
     return calls
 
 
