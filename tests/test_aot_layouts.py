@@ -72,8 +72,17 @@ PASSES = ([(name, MOE, "xla") for name in MULTI_DEVICE]
 CONTRACT = [(name, "xla") for name in MULTI_DEVICE] + [(name, "pallas") for name in PALLAS_LAYOUTS]
 
 
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name,layer,backend", PASSES)
+def _on_one_worker(*args):
+    """pytest.param(*args) in the xdist group of its compile (name, layer,
+    backend, tokens): bin/test runs ``--dist loadgroup``, so the tests that
+    read one compiled layer share report()'s cache instead of compiling it
+    again on another worker (the Pallas layer takes 80-96 s)."""
+    name, layer, backend, tokens = args if len(args) == 4 else (args[0], MOE, *args[1:])
+    return pytest.param(*args, marks=pytest.mark.xdist_group(f"{name}-{layer}-{backend}-{tokens}"))
+
+
+@pytest.mark.parametrize("name,layer,backend,tokens",
+                         [_on_one_worker(*p, t) for p in PASSES for t in TOKENS])
 def test_compiled_bytes_are_the_planners(name, layer, backend, tokens):
     par = LAYOUTS[name]
     r = report(K3, par, layer, tokens, backend)
@@ -100,8 +109,8 @@ def _shared(c) -> bool:
     return in_scope(c.op_name, SHARED_SCOPE)
 
 
-@pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("name,backend", CONTRACT)
+@pytest.mark.parametrize("name,backend,tokens",
+                         [_on_one_worker(*c, t) for c in CONTRACT for t in TOKENS])
 def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
     layout = make_layout(K3, LAYOUTS[name])
     sched = report(K3, LAYOUTS[name], MOE, tokens, backend).collectives
