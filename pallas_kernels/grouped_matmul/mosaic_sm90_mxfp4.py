@@ -188,15 +188,17 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
         allocs = pipeline_for(ignore, ignore).get_allocations(
             *x_gmems, *[w.at[0] for w in w_gmems])
 
+        # The fused tile's gate products are staged in f32 SMEM (its epilogue, below).
+        gate_stage = ({"g_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n),
+                                            jnp.float32)} if num_w == 2 else {})
+
         @functools.partial(
             pl.run_scoped, allocs=allocs,
             o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
             w_smem=plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
             x_smem=plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
-            g_smem=plgpu.SMEM((cfg.num_compute_wgs if num_w == 2 else 0, wg_m, cfg.block_n),
-                              jnp.float32),
-            collective_axes="wg")
-        def _scope(allocs, o_smem, w_smem, x_smem, g_smem):
+            **gate_stage, collective_axes="wg")
+        def _scope(allocs, o_smem, w_smem, x_smem, g_smem=None):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
 
             @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
