@@ -403,9 +403,10 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
     consumers released every slot), the ones between STEADY (the producer
     streams the next tile's first stages while the consumers finish the
     previous tile and run its epilogue). A CTA with one matmul tile runs it
-    as START without STOP: its producer leaves before the consumers release
-    the last stages, which is safe because no pipeline follows and nothing
-    else in the kernel touches the ring. jax 0.11.2 needs a static state
+    as START, and after the tile loop its producer waits for the consumers'
+    release of the last stages (STOP's quiesce, done by hand: jax has no state
+    that is both START and STOP, and a drained fourth variant would add one
+    more copy of the pipeline's code). jax 0.11.2 needs a static state
     (a traced one reaches an unrolled fori_loop with traced bounds), so each
     state is its own pl.when branch.
 
@@ -495,35 +496,56 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                         store(epilogue(*[acc[...] for acc in accs]))
 
                 first, steps = k_range(split, num_k_steps, split_k)
-                if no_drain:  # this tile's place in the CTA's chain of pipelines
+                def chain_state():
+                    """0 / 1 / 2 = START / STEADY / STOP: this tile's place in
+                    the CTA's chain of pipelines (no_drain)."""
                     sm = lax.axis_index("sm")
                     tile = info.index[0]
-                    state = jnp.where(tile == bounds_gmem[0, sm], int(_START),
-                                      jnp.where(tile == bounds_gmem[1, sm], int(_STOP),
-                                                int(_STEADY)))
-                    states = [(_START, state == int(_START)), (_STEADY, state == int(_STEADY)),
-                              (_STOP, state == int(_STOP))]
-                else:
-                    states = [(None, True)]
+                    return jnp.where(tile == bounds_gmem[0, sm], int(_START),
+                                     jnp.where(tile == bounds_gmem[1, sm], int(_STOP),
+                                               int(_STEADY)))
+
                 # K ranges have one of <= 2 static lengths: one pipeline each
                 # (a static trip count; a traced one costs registers and spills).
                 for length in sorted({k_range(s, num_k_steps, split_k)[1]
                                       for s in range(split_k)}):
-                    for pipeline_state, in_state in states:
-                        @pl.when((count > 0) & (group >= 0) & (steps == length) & in_state)
-                        def _matmul(length=length, pipeline_state=pipeline_state):
-                            rows = pl.ds(pl.multiple_of(x_row0, X_ROW_ALIGN), cfg.block_m)
-                            cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
+                    @pl.when((count > 0) & (group >= 0) & (steps == length))
+                    def _matmul(length=length):
+                        rows = pl.ds(pl.multiple_of(x_row0, X_ROW_ALIGN), cfg.block_m)
+                        cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
+
+                        def run(pipeline_state):
                             pipeline_for(mma, compute_context, num_k_steps=length,
                                          first_k_step=first, pipeline_state=pipeline_state)(
                                 *[x.at[rows, :] for x in x_gmems],
                                 *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
                                 allocations=allocs)
 
+                        if no_drain:  # one switch: no value stays live across the states
+                            lax.switch(chain_state(), [functools.partial(run, st)
+                                                       for st in (_START, _STEADY, _STOP)])
+                        else:
+                            run(None)
+
                 if split_k == 1:  # (split-K: the caller masks the tail rows)
                     @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
                     def _zeros():  # tail rows past sum(group_sizes): no matmul
                         store([jnp.zeros((wg_m, cfg.block_n), out_dtype)] * num_out)
+
+            if no_drain:
+                sm = lax.axis_index("sm")
+                first, last = bounds_gmem[0, sm], bounds_gmem[1, sm]
+
+                # A CTA whose only matmul tile ran as START: its producer waits
+                # for the consumers' release of the last max_concurrent_steps
+                # steps, as STOP's quiesce does (the num_steps % stages == 0
+                # steps end on slot stages - 1), so the ring's barriers leave
+                # the scope with every phase observed.
+                @pl.when((wg == cfg.num_compute_wgs) & (first >= 0) & (first == last))
+                def _quiesce():
+                    for barrier in allocs["flat_consumed_barrier_refs"]:
+                        for slot in range(cfg.max_concurrent_steps):
+                            plgpu.barrier_wait(barrier.at[slot])
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
