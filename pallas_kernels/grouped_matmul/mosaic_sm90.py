@@ -625,6 +625,12 @@ class LaunchPlan:
     no_drain: a CTA's tiles chain their pipelines (START / STEADY / STOP, no
     drain of the TMA ring between tiles; cfg.max_concurrent_steps is then
     no_drain_stages(...) of the fitted count); False: every tile drains.
+    approx_math: the kernel writes a bf16 / f16 output (no split-K), so its
+    epilogue may use PTX's approximate exp (ex2.approx.ftz.f32) and tanh
+    (tanh.approx.f32), Mosaic's CompilerParams(approx_math=True); their
+    documented errors are far below the output's rounding (see
+    tests/kernels/test_situ_approx.py). Divisions stay IEEE (div.rn.f32):
+    Mosaic has no approximate divide.
     """
 
     cfg: TileConfig
@@ -633,6 +639,7 @@ class LaunchPlan:
     k_pad: int
     n_pad: int
     no_drain: bool
+    approx_math: bool
 
     @property
     def num_k_steps(self) -> int:
@@ -684,7 +691,8 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     if stages:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
     return LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m), k_pad=k_pad,
-                      n_pad=_round_up(n, cfg.block_n), no_drain=bool(stages))
+                      n_pad=_round_up(n, cfg.block_n), no_drain=bool(stages),
+                      approx_math=cfg.split_k == 1 and jnp.dtype(out_dtype).itemsize == 2)
 
 
 def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
@@ -736,7 +744,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
         # Named per op and row tile, so ptxas reports (k3jax.aot.ptxas_dump) tell kernels apart.
         kernel_name=f"{'grouped_situ_glu' if len(w_GKNs) == 2 else 'grouped_matmul'}_m{cfg.block_m}",
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=launch.approx_math),
         interpret=_interpret_params(interpret),
     )
     if split_k > 1:  # sum the K ranges' f32 partials, then the epilogue (fused by XLA)
