@@ -40,6 +40,14 @@ logarithmic ladder of fixed-size TMA stores (as in jax's ragged_dot_mgpu.py),
 so items sharing an M-block never overwrite each other's rows and rows of x
 past sum(sizes) (possibly NaN) never reach a valid output row.
 
+Tiles chain without draining the TMA ring (LaunchPlan.no_drain) when a stage
+count >= 3 divides every K range's step count: a CTA's first matmul tile
+runs jax's START pipeline, its last STOP, the ones between STEADY, so the
+producer streams the next tile's first stages during the previous tile's
+last WGMMAs and epilogue. XLA computes each CTA's first and last matmul tile
+from the work-item table (pipeline_bounds_2C). bf16/f16 outputs compile with
+approximate tanh / exp (LaunchPlan.approx_math).
+
 Dtypes: bf16/f16 run natively (one WGMMA per weight per K step). float32
 inputs run a split-bf16 product ("bf16x3"): the launcher splits
 x = x_hi + x_lo and w = w_hi + w_lo (x_hi = bf16(x), x_lo = bf16(x - x_hi)),
