@@ -2,12 +2,15 @@
 the launcher's stage choice, the per-CTA first / last matmul tile that XLA
 computes (pipeline_bounds_2C) against a plain replay of the persistent loop,
 and the chained kernel (START / STEADY / STOP pipelines) against float64 in
-GPU interpret mode, whose barrier model rejects a wrong chain (a STEADY
-pipeline with no START before it waits for a phase that never comes; START on
-every tile breaks the phase invariant). Each case forces a few CTAs so that a
-CTA runs many tiles and the 4-stage ring wraps within and across tiles.
+GPU interpret mode, whose barrier model rejects a wrong chain (tried on
+this branch: START on every tile fails "threads must observe each barrier
+completion before any arrivals in the next phase"; a single-tile CTA without
+the quiesce fails "when barrier ... was deallocated, thread ... had only
+observed barrier up to phase 0"). Each case forces a few CTAs so that a CTA
+runs many tiles and the ring wraps within and across tiles.
 
-Measured on the shared 2-core machine: about 5-15 s per interpret case."""
+Measured on the shared 2-core machine (loaded): 12-30 s per interpret case,
+about 2 minutes for the file."""
 
 from __future__ import annotations
 
