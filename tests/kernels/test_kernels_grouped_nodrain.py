@@ -9,8 +9,8 @@ the quiesce fails "when barrier ... was deallocated, thread ... had only
 observed barrier up to phase 0"). Each case forces a few CTAs so that a CTA
 runs many tiles and the ring wraps within and across tiles.
 
-Measured on the shared 2-core machine (loaded): 12-30 s per interpret case,
-about 2 minutes for the file."""
+Measured on the 2-core machine: 5-7 s per interpret case and about 40 s for
+the file when idle, 12-30 s per case when loaded."""
 
 from __future__ import annotations
 
