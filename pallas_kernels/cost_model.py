@@ -16,7 +16,11 @@ the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
   * a roofline time: each tile takes max(flops / (F / num_sms),
     HBM bytes / (B / num_sms)) + TILE_OVERHEAD_S, a CTA's tiles run back to back,
     the launch takes the busiest CTA's time, plus the split-K reduction (read
-    the f32 partials, write the output) at copy bandwidth.
+    the f32 partials, write the output) at copy bandwidth. A launch whose
+    tiles chain their pipelines (LaunchPlan.no_drain: no drain between a
+    CTA's tiles) pays TILE_OVERHEAD_S once per CTA, for its first tile: an
+    assumption (the producer streams the next tile's first stages while the
+    consumers finish a tile, hiding the loads' latency), not measured.
 
 F = DENSE_BF16_FLOPS and B = COPY_BYTES_PER_S are this project's H200
 measurements (SPEC section 7). The per-SM bandwidth share assumes every SM
@@ -42,6 +46,8 @@ DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (
 COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project's H200
 # Per tile: the first TMA loads' HBM latency plus the pipeline drain before
 # the next tile's loads start (an assumption, ~1 HBM round trip + issue).
+# Launches without a drain between tiles (LaunchPlan.no_drain) pay it once per
+# CTA (also an assumption).
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
 # The MXFP4 kernel's in-register decode (mosaic_sm90_mxfp4.py), counted from
@@ -172,15 +178,22 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     hbm_SW = np.where(first_W, w_SW, 0) + x_SW / n_blocks + o_SW
     per_sm_flops = DENSE_BF16_FLOPS / num_sms
     per_sm_bw = COPY_BYTES_PER_S / num_sms
+    # The MXFP4 kernel drains every tile; mosaic_sm90 launches may chain them.
+    no_drain = not mxfp4 and launch.no_drain
+    tile_overhead = 0.0 if no_drain else TILE_OVERHEAD_S
     time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops + decode_SW,
-                                               hbm_SW / per_sm_bw) + TILE_OVERHEAD_S, 0.0)
+                                               hbm_SW / per_sm_bw) + tile_overhead, 0.0)
 
     # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
     with mosaic_sm90.host_eval():
         item_T = np.tile(_tile_order(num_items, n_blocks, cfg.grid_block_n), split_k)
     split_T = np.repeat(np.arange(split_k), num_items * n_blocks)
     time_T = time_SW[split_T, item_T]
-    cta_time = np.bincount(np.arange(len(time_T)) % num_sms, weights=time_T, minlength=num_sms)
+    cta_T = np.arange(len(time_T)) % num_sms
+    cta_time = np.bincount(cta_T, weights=time_T, minlength=num_sms)
+    if no_drain:  # one first-tile overhead per CTA that runs a tile
+        cta_tiles = np.bincount(cta_T, weights=count_W[item_T] > 0, minlength=num_sms)
+        cta_time = cta_time + np.where(cta_tiles > 0, TILE_OVERHEAD_S, 0.0)
     busiest = float(cta_time.max())
     # Split-K: XLA reads the f32 partials and writes the output (one fusion).
     reduce_bytes = (split_k * min(m, launch.m_pad) * launch.n_pad * 4 * num_weights
@@ -189,7 +202,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     active = int(np.count_nonzero(sizes[np.cumsum(sizes) - sizes < m]))
     return KernelCost(
         tiles=int(np.count_nonzero(count_W)) * n_blocks * split_k,
-        sm_fill=float(time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        sm_fill=float(cta_time.sum() / (num_sms * busiest)) if busiest else 0.0,
         weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
         out_bytes=float(o_SW.sum() * n_blocks + reduce_bytes),
         weight_reads_per_active_expert=float(np.count_nonzero(matmul_W) / active) if active else 0.0,
@@ -197,7 +210,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * n_blocks),
         predicted_us=(busiest + reduce_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes, "mxfp4": mxfp4})
+        config={**dataclasses.asdict(cfg), "planes": planes, "mxfp4": mxfp4,
+                "no_drain": no_drain})
 
 
 def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,

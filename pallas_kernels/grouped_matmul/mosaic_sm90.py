@@ -40,6 +40,14 @@ logarithmic ladder of fixed-size TMA stores (as in jax's ragged_dot_mgpu.py),
 so items sharing an M-block never overwrite each other's rows and rows of x
 past sum(sizes) (possibly NaN) never reach a valid output row.
 
+Tiles chain without draining the TMA ring (LaunchPlan.no_drain) when a stage
+count >= 3 divides every K range's step count: a CTA's first matmul tile
+runs jax's START pipeline, its last STOP, the ones between STEADY, so the
+producer streams the next tile's first stages during the previous tile's
+last WGMMAs and epilogue. XLA computes each CTA's first and last matmul tile
+from the work-item table (pipeline_bounds_2C). bf16/f16 outputs compile with
+approximate tanh / exp (LaunchPlan.approx_math).
+
 Dtypes: bf16/f16 run natively (one WGMMA per weight per K step). float32
 inputs run a split-bf16 product ("bf16x3"): the launcher splits
 x = x_hi + x_lo and w = w_hi + w_lo (x_hi = bf16(x), x_lo = bf16(x - x_hi)),
@@ -322,11 +330,13 @@ def _memory_registers(num_compute_wgs: int) -> int:
 
 
 def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, planes: int,
-              num_k_steps, first_k_step=0):
+              num_k_steps, first_k_step=0, pipeline_state: plgpu.PipelinePipeline | None = None):
     """Warp-specialized K pipeline over one tile: ``planes`` x [block_m, K] planes
     and num_w x ``planes`` weight planes [K, block_n] stream through SMEM (TMA,
     producer warpgroup), K steps [first_k_step, first_k_step + num_k_steps)
-    (traced with split-K). Operand order: x planes, then each weight's planes."""
+    (traced with split-K). Operand order: x planes, then each weight's planes.
+    pipeline_state: None drains the ring at the end of the tile; START /
+    STEADY / STOP chain the tiles of a CTA (see _make_body)."""
     # delay_release stays 0: with 1, the last step of a tile never arrives on
     # its "consumed" barrier, so the producer could refill that slot for the
     # next tile of this persistent loop while its WGMMA still reads it.
@@ -336,7 +346,50 @@ def _pipeline(step_fn, compute_context, *, cfg: TileConfig, num_w: int, planes: 
         step_fn, grid=(num_k_steps,), memory_registers=_memory_registers(cfg.num_compute_wgs),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
-        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
+        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,
+        pipeline_state=pipeline_state)
+
+
+_START, _STEADY, _STOP = (plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY,
+                          plgpu.PipelinePipeline.STOP)
+
+
+def matmul_tiles_T(meta_4W: jax.Array, num_n_blocks: int, split_k: int,
+                   grid_block_n: int) -> jax.Array:
+    """bool [T]: whether linear tile t (the persistent loop's index: K range
+    t // (W * N-blocks), then planar_snake over (work item, N-block)) runs a
+    matmul (a non-empty item of a group; tail items store zeros)."""
+    num_items = meta_4W.shape[1]
+    lin_T = jnp.arange(split_k * num_items * num_n_blocks, dtype=jnp.int32) % (
+        num_items * num_n_blocks)
+    item_T = jax.vmap(lambda i: plgpu.planar_snake(i, (num_items, num_n_blocks), 1,
+                                                   grid_block_n)[0])(lin_T)
+    return (meta_4W[3, item_T] > 0) & (meta_4W[0, item_T] >= 0)
+
+
+def pipeline_bounds_2C(meta_4W: jax.Array, num_n_blocks: int, split_k: int, grid_block_n: int,
+                       num_ctas: int) -> jax.Array:
+    """int32 [2, C]: per CTA c (which runs linear tiles c, c + C, ...), the
+    first and the last tile that runs a matmul (-1 when it runs none); XLA,
+    jittable with a traced table (O(T) work, T = split_k * W * N-blocks)."""
+    runs_T = matmul_tiles_T(meta_4W, num_n_blocks, split_k, grid_block_n)
+    t_T = jnp.arange(runs_T.shape[0], dtype=jnp.int32)
+    cta_T = t_T % num_ctas
+    first_C = jax.ops.segment_min(jnp.where(runs_T, t_T, runs_T.shape[0]), cta_T,
+                                  num_segments=num_ctas)
+    last_C = jax.ops.segment_max(jnp.where(runs_T, t_T, -1), cta_T, num_segments=num_ctas)
+    first_C = jnp.where(last_C >= 0, first_C, -1)
+    return jnp.stack([first_C, last_C]).astype(jnp.int32)
+
+
+def no_drain_stages(step_counts: list[int] | set[int], max_stages: int) -> int:
+    """Stage count of a launch whose tiles chain without draining the ring:
+    the largest divisor of every K range's step count in [3, max_stages] (jax's
+    START/STEADY/STOP pipelines need num_steps % stages == 0), or 0 if none."""
+    for stages in range(max_stages, 2, -1):
+        if all(steps % stages == 0 for steps in step_counts):
+            return stages
+    return 0
 
 
 # (x plane, w plane) products per K step and weight. One plane: the native
@@ -345,9 +398,25 @@ _PRODUCTS = {1: ((0, 0),), 2: ((1, 0), (0, 1), (0, 0))}
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, num_rows: int,
-               num_k_steps: int, num_n_blocks: int, out_dtype):
-    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, *o_MNs) for num_w weights
-    of ``planes`` planes each (1: bf16/f16; 2: hi/lo bf16 split of float32).
+               num_k_steps: int, num_n_blocks: int, out_dtype, no_drain: bool):
+    """Kernel body(meta_4W, [bounds_2C,] *x_planes_MK, *w_planes_GKN, *o_MNs) for
+    num_w weights of ``planes`` planes each (1: bf16/f16; 2: hi/lo bf16 split of
+    float32).
+
+    no_drain=False: every tile's pipeline drains the TMA ring. no_drain=True
+    (LaunchPlan.no_drain: the stage count divides every K range's steps):
+    bounds_2C = pipeline_bounds_2C(...) gives each CTA the first and last
+    linear tile index that runs a matmul; that tile's pipeline is START (the
+    ring's prologue), the last one STOP (the producer waits until the
+    consumers released every slot), the ones between STEADY (the producer
+    streams the next tile's first stages while the consumers finish the
+    previous tile and run its epilogue). A CTA with one matmul tile runs it
+    as START, and after the tile loop its producer waits for the consumers'
+    release of the last stages (STOP's quiesce, done by hand: jax has no state
+    that is both START and STOP, and a drained fourth variant would add one
+    more copy of the pipeline's code). jax 0.11.2 needs a static state
+    (a traced one reaches an unrolled fori_loop with traced bounds), so each
+    state is its own pl.when branch.
 
     epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
     split_k = S (one group), the outputs are f32 partials [S * X, N], X =
@@ -365,6 +434,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
     products = _PRODUCTS[planes]
 
     def body(meta_gmem, *refs):
+        bounds_gmem, refs = (refs[0], refs[1:]) if no_drain else (None, refs)
         x_gmems, w_gmems = refs[:planes], refs[planes:planes + num_w * planes]
         o_gmems = refs[planes + num_w * planes:]
         num_items = meta_gmem.shape[1]
@@ -434,6 +504,15 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                         store(epilogue(*[acc[...] for acc in accs]))
 
                 first, steps = k_range(split, num_k_steps, split_k)
+                def chain_state():
+                    """0 / 1 / 2 = START / STEADY / STOP: this tile's place in
+                    the CTA's chain of pipelines (no_drain)."""
+                    sm = lax.axis_index("sm")
+                    tile = info.index[0]
+                    return jnp.where(tile == bounds_gmem[0, sm], int(_START),
+                                     jnp.where(tile == bounds_gmem[1, sm], int(_STOP),
+                                               int(_STEADY)))
+
                 # K ranges have one of <= 2 static lengths: one pipeline each
                 # (a static trip count; a traced one costs registers and spills).
                 for length in sorted({k_range(s, num_k_steps, split_k)[1]
@@ -442,16 +521,39 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                     def _matmul(length=length):
                         rows = pl.ds(pl.multiple_of(x_row0, X_ROW_ALIGN), cfg.block_m)
                         cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
-                        pipeline_for(mma, compute_context, num_k_steps=length,
-                                     first_k_step=first)(
-                            *[x.at[rows, :] for x in x_gmems],
-                            *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
-                            allocations=allocs)
+
+                        def run(pipeline_state):
+                            pipeline_for(mma, compute_context, num_k_steps=length,
+                                         first_k_step=first, pipeline_state=pipeline_state)(
+                                *[x.at[rows, :] for x in x_gmems],
+                                *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                                allocations=allocs)
+
+                        if no_drain:  # one switch: no value stays live across the states
+                            lax.switch(chain_state(), [functools.partial(run, st)
+                                                       for st in (_START, _STEADY, _STOP)])
+                        else:
+                            run(None)
 
                 if split_k == 1:  # (split-K: the caller masks the tail rows)
                     @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
                     def _zeros():  # tail rows past sum(group_sizes): no matmul
                         store([jnp.zeros((wg_m, cfg.block_n), out_dtype)] * num_out)
+
+            if no_drain:
+                sm = lax.axis_index("sm")
+                first, last = bounds_gmem[0, sm], bounds_gmem[1, sm]
+
+                # A CTA whose only matmul tile ran as START: its producer waits
+                # for the consumers' release of the last max_concurrent_steps
+                # steps, as STOP's quiesce does (the num_steps % stages == 0
+                # steps end on slot stages - 1), so the ring's barriers leave
+                # the scope with every phase observed.
+                @pl.when((wg == cfg.num_compute_wgs) & (first >= 0) & (first == last))
+                def _quiesce():
+                    for barrier in allocs["flat_consumed_barrier_refs"]:
+                        for slot in range(cfg.max_concurrent_steps):
+                            plgpu.barrier_wait(barrier.at[slot])
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -528,6 +630,15 @@ class LaunchPlan:
 
     cfg: the TileConfig after fitting block_k / block_n to K / N and the SMEM
     limit; planes: bf16 planes per input element (1 or 2, see num_planes).
+    no_drain: a CTA's tiles chain their pipelines (START / STEADY / STOP, no
+    drain of the TMA ring between tiles; cfg.max_concurrent_steps is then
+    no_drain_stages(...) of the fitted count); False: every tile drains.
+    approx_math: the kernel writes a bf16 / f16 output (no split-K), so its
+    epilogue may use PTX's approximate exp (ex2.approx.ftz.f32) and tanh
+    (tanh.approx.f32), Mosaic's CompilerParams(approx_math=True); their
+    documented errors are far below the output's rounding (see
+    tests/kernels/test_situ_approx.py). Divisions stay IEEE (div.rn.f32):
+    Mosaic has no approximate divide.
     """
 
     cfg: TileConfig
@@ -535,6 +646,8 @@ class LaunchPlan:
     m_pad: int
     k_pad: int
     n_pad: int
+    no_drain: bool
+    approx_math: bool
 
     @property
     def num_k_steps(self) -> int:
@@ -553,6 +666,10 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     With cfg.split_k > 1 the kernel writes f32 partials (out_dtype is then
     ignored for the kernel's own output) and every K range needs at least
     max_concurrent_steps K steps (ValueError otherwise).
+
+    When some stage count in [3, fitted stages] divides every K range's step
+    count (no_drain_stages), the launch takes the largest such count and
+    chains each CTA's tiles without draining (LaunchPlan.no_drain).
     """
     planes = num_planes(in_dtype)
     cfg = cfg or default_config(m, num_groups, num_weights)
@@ -569,15 +686,21 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
         # float32 on two consumers: 3 stages (what fits) spilled 296 B in ptxas
         # for sm_90a (K 512, block_n 64); 2 compile without.
         cfg = dataclasses.replace(cfg, max_concurrent_steps=2)
-    launch = LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m),
-                        k_pad=_round_up(k, block_k), n_pad=_round_up(n, cfg.block_n))
+    k_pad = _round_up(k, block_k)
     if cfg.split_k > 1 and num_groups != 1:
         raise ValueError(f"split_k={cfg.split_k} needs one group (the dense MLP), got {num_groups}")
-    if cfg.split_k > 1 and launch.num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
+    num_k_steps = k_pad // block_k
+    if cfg.split_k > 1 and num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
         raise ValueError(
-            f"split_k={cfg.split_k} leaves K ranges of {launch.num_k_steps // cfg.split_k} "
+            f"split_k={cfg.split_k} leaves K ranges of {num_k_steps // cfg.split_k} "
             f"K steps, fewer than the {cfg.max_concurrent_steps} pipeline stages")
-    return launch
+    stages = no_drain_stages({k_range(s, num_k_steps, cfg.split_k)[1]
+                              for s in range(cfg.split_k)}, cfg.max_concurrent_steps)
+    if stages:
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
+    return LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m), k_pad=k_pad,
+                      n_pad=_round_up(n, cfg.block_n), no_drain=bool(stages),
+                      approx_math=cfg.split_k == 1 and jnp.dtype(out_dtype).itemsize == 2)
 
 
 def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | None, interpret):
@@ -614,27 +737,31 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
         out_type = jax.ShapeDtypeStruct((m, n_pad), out_dtype)
     body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg, num_rows=m,
                       num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,
-                      out_dtype=kernel_dtype)
+                      out_dtype=kernel_dtype, no_drain=launch.no_drain)
+    num_ctas = cfg.num_ctas or _num_sms(interpret)
+    # no_drain: each CTA's first and last matmul tile (XLA, from the same table).
+    bounds = ([pipeline_bounds_2C(meta_4W, launch.num_n_blocks, split_k, cfg.grid_block_n,
+                                  num_ctas)] if launch.no_drain else [])
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(cfg.num_ctas or _num_sms(interpret),),
+        grid=(num_ctas,),
         grid_names=("sm",),
         num_threads=cfg.num_compute_wgs + 1,
         thread_name="wg",
         # Named per op and row tile, so ptxas reports (k3jax.aot.ptxas_dump) tell kernels apart.
         kernel_name=f"{'grouped_situ_glu' if len(w_GKNs) == 2 else 'grouped_matmul'}_m{cfg.block_m}",
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=launch.approx_math),
         interpret=_interpret_params(interpret),
     )
     if split_k > 1:  # sum the K ranges' f32 partials, then the epilogue (fused by XLA)
-        partials = kernel(meta_4W, *x_planes, *w_planes)
+        partials = kernel(meta_4W, *bounds, *x_planes, *w_planes)
         y_MN = epilogue(*[p.reshape(split_k, m_pad, n_pad)[:, :m].sum(axis=0) for p in partials])
         valid_M1 = (jnp.arange(m) < jnp.sum(group_sizes_G))[:, None]
         y_MN = jnp.where(valid_M1, y_MN, 0).astype(out_dtype)
     else:
-        y_MN = kernel(meta_4W, *x_planes, *w_planes)
+        y_MN = kernel(meta_4W, *bounds, *x_planes, *w_planes)
     return y_MN if n_pad == n else y_MN[:, :n]
 
 

@@ -45,6 +45,20 @@ def test_sm_fill_counts_the_busiest_cta():
     assert traced.tiles == 264 and traced.sm_fill < 1.0
 
 
+def test_no_drain_pays_the_tile_overhead_once_per_cta():
+    """264 equal tiles on 132 CTAs, K 256 = 4 K steps: at 2 stages every tile
+    drains (two overheads per CTA); at 4 stages (4 divides 4) the launch
+    chains them (LaunchPlan.no_drain) and pays one, for the CTA's first tile."""
+    costs = {stages: cost_model.grouped_cost(
+        [64], 64, 256, 128 * 264, 1, static_sizes=True,
+        config=mosaic_sm90.TileConfig(num_compute_wgs=1, block_n=128,
+                                      max_concurrent_steps=stages)) for stages in (2, 4)}
+    assert not costs[2].config["no_drain"] and costs[4].config["no_drain"]
+    assert costs[4].predicted_us == pytest.approx(
+        costs[2].predicted_us - cost_model.TILE_OVERHEAD_S * 1e6)
+    assert costs[4].sm_fill == pytest.approx(1.0)
+
+
 def test_split_k_fills_the_sms_for_the_decode_mlp():
     """tp 8 (F 768) at 8 tokens: 6 tiles without split-K; the chosen split
     fills >= 0.9 of the SMs and the model predicts it faster."""
