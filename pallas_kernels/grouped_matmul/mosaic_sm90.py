@@ -416,7 +416,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
     that is both START and STOP, and a drained fourth variant would add one
     more copy of the pipeline's code). jax 0.11.2 needs a static state
     (a traced one reaches an unrolled fori_loop with traced bounds), so each
-    state is its own pl.when branch.
+    state is its own static pipeline, chosen by one lax.switch.
 
     epilogue(*acc_tiles) -> tuple of output tiles, one per output. With
     split_k = S (one group), the outputs are f32 partials [S * X, N], X =

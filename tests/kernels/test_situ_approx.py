@@ -6,7 +6,9 @@ compile that the bf16 fused kernel's PTX uses tanh.approx.f32 and the float32
 one does not, and (2) on the CPU, the accuracy of the SiTU with the documented
 worst-case errors of the PTX instructions the bf16 kernel runs, against float64.
 
-Error bounds (PTX ISA, "Floating Point Instructions": tanh, ex2, rcp):
+Error bounds (PTX ISA, "Floating Point Instructions": tanh, ex2, rcp; quoted
+from memory: the document cannot be reached from this machine, so check these
+three figures against it before relying on the margin below):
   tanh.approx.f32      max relative error 2^-10.987
   ex2.approx.ftz.f32   max relative error 2 ulp (2^-22), subnormal results -> 0
   rcp.approx.f32       max error 1 ulp (2^-23); Mosaic lowers 1 / x to it in both
