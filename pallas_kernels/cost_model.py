@@ -309,7 +309,12 @@ def decode_candidates(m: int, n: int, num_groups: int,
     8) to the first one whose x tile splits over C CTAs (C x block_w
     dividing N, accumulators still <= 128 registers): in the model a larger
     cluster only costs (idle SMs when C does not divide num_sms, fewer and
-    coarser cluster tiles)."""
+    coarser cluster tiles). Clusters only with two consumers of <= 128
+    accumulator columns (num_weights x wg_block_w) each: ptxas for sm_90a
+    (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
+    tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster
+    2); two of 2 x 64 columns at 32-128 tokens, clusters 2-8, did not (with
+    mosaic_sm90_decode's 80-register producer)."""
     rows = mosaic_sm90_decode.expected_rows(m, num_groups)
     if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
         return []
@@ -325,7 +330,8 @@ def decode_candidates(m: int, n: int, num_groups: int,
             if cfg.acc_registers(num_weights) > 128 or n % cfg.block_w:
                 continue
             tilings.append(cfg)
-            if block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w:
+            if (block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w or wgs == 1
+                    or num_weights * wg_w > 128):
                 continue
             for c in mosaic_sm90_decode.CLUSTER_SIZES[1:]:
                 t = next(t for t in range(block_t, mosaic_sm90_decode.MAX_BLOCK_T + 1, 8)

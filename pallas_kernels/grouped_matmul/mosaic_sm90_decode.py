@@ -207,6 +207,18 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def memory_registers(cfg: DecodeConfig) -> int:
+    """Registers per thread of the TMA producer warpgroup: mosaic_sm90's,
+    but 80 for a cluster with two or more consumers (its producer issues the
+    multicast x loads and waits on cluster barriers). Measured with ptxas for
+    sm_90a (fused SiTU, 2026-12-01): at 40 the producer of 2 x 64-column
+    consumers spilled 36-40 bytes at 64-96 tokens in clusters of 2-8; at 80,
+    0 (the consumers keep 216)."""
+    if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
+        return 80
+    return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
+
+
 def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes: int,
               num_k_steps: int, first_k_step=0):
     """Warp-specialized K pipeline of one tile: ``planes`` x tiles [block_t,
@@ -219,7 +231,7 @@ def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes
                              transforms=_swizzle_transforms(cfg.block_w, 2))
     return plgpu.emit_pipeline_warp_specialized(
         step_fn, grid=(num_k_steps,),
-        memory_registers=mosaic_sm90._memory_registers(cfg.num_compute_wgs),
+        memory_registers=memory_registers(cfg),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)

@@ -142,13 +142,15 @@ def test_model_charges_the_sms_a_cluster_size_leaves_idle():
 
 def test_candidates_add_the_smallest_cluster_that_meets_the_x_target():
     """gate_up (2 weights, N 3072) at ~18 rows a group: the 40-token tile of
-    one 64-wide consumer has x / w = 40 / 128; 40 splits over no cluster, so
-    it is raised to 64 tokens in a cluster of 8 (64 / (128 x 8) = 1/16 <= 0.10,
-    3072 a multiple of 8 x 64)."""
+    two 64-wide consumers has x / w = 40 / 256; 40 splits over no cluster, so
+    it is raised to 48 tokens in a cluster of 2 (48 / (256 x 2) = 0.094 <=
+    0.10). Every clustered candidate meets the target, its smaller cluster
+    would not (or could not split x, or divide N), and it has two consumers
+    of <= 128 accumulator columns."""
     cands = cost_model.decode_candidates(1024, 3072, 56, 2)
     clustered = {(c.num_compute_wgs, c.wg_block_w, c.block_t, c.cluster)
                  for c in cands if c.cluster > 1}
-    assert (1, 64, 64, 8) in clustered
+    assert (2, 64, 48, 2) in clustered
     for c in cands:
         if c.cluster > 1:
             assert c.block_t / (2 * c.block_w * c.cluster) <= cost_model.DECODE_X_OVER_W, c
@@ -156,3 +158,4 @@ def test_candidates_add_the_smallest_cluster_that_meets_the_x_target():
                 or not dec.multicast_splits(c.block_t, 64, c.cluster // 2) \
                 or 3072 % (c.block_w * c.cluster // 2), c
             assert 3072 % (c.block_w * c.cluster) == 0 and c.acc_registers(2) <= 128, c
+            assert c.num_compute_wgs == 2 and 2 * c.wg_block_w <= 128, c
