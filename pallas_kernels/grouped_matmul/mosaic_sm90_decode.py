@@ -14,10 +14,24 @@ Scheduling: mosaic_sm90.work_items_4W with block_m = block_t (group-aligned
 items: a group of <= block_t rows (plus its start's alignment slack) is one
 item and streams its weights once per N-block). The persistent loop walks
 (item, N-block, K range) tiles item-major, so the tiles that run form a
-prefix of the loop and tile i runs on CTA i mod num_sms; items of the tail
-segment (rows past sum(sizes)) and unused items cost nothing. Split-K
+prefix of the loop and tile i runs on CTA i mod num_sms (with clusters:
+cluster i mod num_sms // C); items of the tail segment (rows past
+sum(sizes)) and unused items cost nothing. Split-K
 (split_k = S > 1) cuts K into S ranges when the tiles are too few for the
 SMs: f32 partials, summed by XLA, the SiTU applied after the sum.
+
+Clusters (cluster = C in 2, 4, 8): C CTAs form a cluster that runs one
+(item, N-superblock, K range) tile at a time, CTA c taking N-block
+superblock * C + c; each CTA's TMA loads 1/C of the x tile and multicasts
+it to all C (BlockSpec collective_axes, the pipeline's "consumed" barrier
+becomes a ClusterBarrier), so the x bytes a tile loads are block_t /
+(num_w x block_w x C) of its weight bytes. The grid is num_ctas // C
+clusters; every CTA of a cluster walks the same tiles (the multicast and
+the cluster barriers need all C in each pipeline), so N is padded to whole
+superblocks, and Mosaic must be able to split the x tile over C
+(multicast_splits: block_t / 8 a multiple of C, or 8 / 16 tokens cut
+inside the 8-row tiles; an odd block_t / 8 never splits). C = 1 launches
+no cluster.
 
 Output: each tile writes its whole transposed tile to its own columns of
 out^T [N_pad, W * block_t] (item w owns columns [w * block_t, (w + 1) * block_t)),
@@ -67,7 +81,9 @@ class DecodeConfig:
     c owns weight columns [c * wg_block_w, (c + 1) * wg_block_w) of the
     CTA's block_w-wide weight tile and all block_t tokens, one f32
     accumulator [wg_block_w, block_t] per weight (wg_block_w * block_t / 128
-    registers a thread each).
+    registers a thread each). ``cluster`` C > 1: clusters of C CTAs share
+    each x tile (multicast), CTA c of a cluster takes the c-th N-block of
+    each superblock of C; num_ctas counts CTAs (num_ctas // C clusters).
     """
 
     num_compute_wgs: int = 2
@@ -387,7 +403,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
     kernel = plgpu.kernel(
         body,
         out_type=[o_type] * cfg.num_outputs(num_w),
-        grid=(num_ctas // cfg.cluster,),
+        grid=(max(num_ctas // cfg.cluster, 1),),  # interpret mode has 4 "SMs"
         grid_names=("sm",),
         **cluster_args,
         num_threads=cfg.num_compute_wgs + 1,
