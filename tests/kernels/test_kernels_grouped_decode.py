@@ -1,11 +1,13 @@
 """mosaic_sm90_decode: the transposed decode kernel (weights on WGMMA's M side)
 in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
-(0 spills) for the tiles the launcher picks at the sweep's decode shapes, and
+(0 spills) for the tiles the launcher picks at the sweep's decode shapes
+(CTA clusters included; their interpret cases: test_kernels_grouped_decode_cluster.py), and
 the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 
-Measured on the 2-core host, nothing else running: the whole file 105 s
-(the ptxas test 55 s: the launcher's choice for 18 sweep rows, then one
-compile per distinct tiling; the interpret cases 31 s; the model test 10 s).
+Measured on the 2-core host, nothing else running: the whole file ~140 s
+(the ptxas test 76 s: the launcher's choice for 18 sweep rows, then one
+compile per distinct tiling, clusters included; the model test 16 s after
+it (the choice is cached), 107 s alone; the interpret cases 31 s).
 """
 
 from __future__ import annotations
