@@ -227,7 +227,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     num_items = meta.shape[1]
     n_blocks = plan.num_n_blocks
     cluster = cfg.cluster
-    num_clusters = (cfg.num_ctas or num_sms) // cluster
+    num_clusters = max((cfg.num_ctas or num_sms) // cluster, 1)  # as the kernel's grid
     steps = plan.num_k_steps
     products = 1 if planes == 1 else 3
 
