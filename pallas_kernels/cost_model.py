@@ -108,6 +108,14 @@ def _static_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.
 _schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
 
 
+@functools.lru_cache(maxsize=4096)
+def _traced_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
+    """_schedule's table for concrete sizes, once per (sizes, num_rows, block_m):
+    best_grouped_config models dozens of decode tilings that share a token tile."""
+    with mosaic_sm90.host_eval():
+        return np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
+
+
 def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
                active_sms: int | None = None) -> float:
     """max(compute, memory) time on ``active_sms`` of num_sms SMs."""
@@ -221,8 +229,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     cfg, planes = plan.cfg, plan.planes
     in_bytes = 2 * planes
     out_bytes = jnp.dtype(dtype).itemsize
-    with mosaic_sm90.host_eval():
-        meta = np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), m, cfg.block_t))
+    meta = _traced_schedule(tuple(int(v) for v in sizes), m, cfg.block_t)
     group_W, count_W = meta[0], meta[3]
     num_items = meta.shape[1]
     n_blocks = plan.num_n_blocks

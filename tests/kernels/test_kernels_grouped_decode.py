@@ -7,7 +7,7 @@ the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 Measured on the 2-core host, nothing else running: the whole file ~140 s
 (the ptxas test 76 s: the launcher's choice for 18 sweep rows, then one
 compile per distinct tiling, clusters included; the model test 16 s after
-it (the choice is cached), 107 s alone; the interpret cases 31 s).
+it (the choice is cached), 35 s alone; the interpret cases 31 s).
 """
 
 from __future__ import annotations
