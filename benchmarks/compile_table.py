@@ -70,7 +70,8 @@ def kernel_configs() -> list[KernelConfig]:
     out += tokamax_peer_configs(plan)
     seen = set()
     for c in checks.CASES:   # the pattern only changes group sizes at run time: one kernel
-        name = f"check {c.op} m={c.m} k={c.k} n={c.n} g={c.groups} {jax.numpy.dtype(c.dtype).name}"
+        name = (f"check {c.op} m={c.m} k={c.k} n={c.n} g={c.groups} "
+                f"{jax.numpy.dtype(c.dtype).name}{c.decode_tiles}")
         if name not in seen:
             seen.add(name)
             out.append(KernelConfig(name, c.fn("pallas"), c.arg_specs()))

@@ -56,15 +56,21 @@ class Case:
     decode: mosaic_sm90_decode.DecodeConfig | None = None  # force the weights-on-M decode kernel
 
     @property
+    def decode_tiles(self) -> str:
+        """" decode wg.. t.. s.." naming the forced decode tiles ("" without)."""
+        d = self.decode
+        if not d:
+            return ""
+        return (f" decode wg{d.num_compute_wgs}x{d.wg_block_w} t{d.block_t} s{d.split_k}"
+                + (f" ctas={d.num_ctas}" if d.num_ctas else "")
+                + (f" cluster={d.cluster}" if d.cluster > 1 else ""))
+
+    @property
     def name(self) -> str:
         dtype = jnp.dtype(self.dtype).name
         ctas = f" ctas={self.num_ctas}" if self.num_ctas else ""
-        if self.decode:
-            d = self.decode
-            ctas += (f" decode wg{d.num_compute_wgs}x{d.wg_block_w} t{d.block_t} "
-                     f"s{d.split_k}" + (f" ctas={d.num_ctas}" if d.num_ctas else ""))
         return (f"{self.op} m={self.m} k={self.k} n={self.n} g={self.groups} {self.pattern} "
-                f"{dtype}{ctas}")
+                f"{dtype}{ctas}{self.decode_tiles}")
 
     def fn(self, backend: str):
         """The kernel on ``backend``: f(x, w, sizes) | f(x, w_gate, w_up, sizes) |
@@ -139,6 +145,17 @@ CASES: list[Case] = [
     Case("matmul", 1024, 1024, 4096, 64, "uniform", BF16,
          decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=24,
                                                 num_ctas=4)),
+    # ...with CTA clusters multicasting x (cluster 2 and 4; split-K and float32's
+    # two x planes in a cluster; 2 clusters of 4 running hundreds of tiles each)
+    Case("situ_glu", 300, 1024, 512, 16, "sum_lt_m", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=48,
+                                                cluster=2)),
+    Case("situ_glu", 120, 512, 256, 8, "zeros_skewed", F32,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16,
+                                                max_concurrent_steps=4, split_k=2, cluster=2)),
+    Case("matmul", 1024, 1024, 4096, 64, "uniform", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=32,
+                                                num_ctas=8, cluster=4)),
 ]
 
 

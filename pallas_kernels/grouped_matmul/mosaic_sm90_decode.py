@@ -14,10 +14,24 @@ Scheduling: mosaic_sm90.work_items_4W with block_m = block_t (group-aligned
 items: a group of <= block_t rows (plus its start's alignment slack) is one
 item and streams its weights once per N-block). The persistent loop walks
 (item, N-block, K range) tiles item-major, so the tiles that run form a
-prefix of the loop and tile i runs on CTA i mod num_sms; items of the tail
-segment (rows past sum(sizes)) and unused items cost nothing. Split-K
+prefix of the loop and tile i runs on CTA i mod num_sms (with clusters:
+cluster i mod num_sms // C); items of the tail segment (rows past
+sum(sizes)) and unused items cost nothing. Split-K
 (split_k = S > 1) cuts K into S ranges when the tiles are too few for the
 SMs: f32 partials, summed by XLA, the SiTU applied after the sum.
+
+Clusters (cluster = C in 2, 4, 8): C CTAs form a cluster that runs one
+(item, N-superblock, K range) tile at a time, CTA c taking N-block
+superblock * C + c; each CTA's TMA loads 1/C of the x tile and multicasts
+it to all C (BlockSpec collective_axes, the pipeline's "consumed" barrier
+becomes a ClusterBarrier), so the x bytes a tile loads are block_t /
+(num_w x block_w x C) of its weight bytes. The grid is num_ctas // C
+clusters; every CTA of a cluster walks the same tiles (the multicast and
+the cluster barriers need all C in each pipeline), so N is padded to whole
+superblocks, and Mosaic must be able to split the x tile over C
+(multicast_splits: block_t / 8 a multiple of C, or 8 / 16 tokens cut
+inside the 8-row tiles; an odd block_t / 8 never splits). C = 1 launches
+no cluster.
 
 Output: each tile writes its whole transposed tile to its own columns of
 out^T [N_pad, W * block_t] (item w owns columns [w * block_t, (w + 1) * block_t)),
@@ -52,8 +66,11 @@ from pallas_kernels.situ import situ_glu_f32
 WG_ROWS = 64  # WGMMA M of one instruction: weight columns are taken in multiples of it
 MAX_BLOCK_T = 256  # WGMMA N limit
 # Largest expected rows per group (mean + ROUTING_SIGMAS sigma) the decode
-# kernel takes; larger groups go to mosaic_sm90's row-major tiles.
-MAX_DECODE_ROWS = 64
+# kernel takes (one token tile); larger groups go to mosaic_sm90's row-major
+# tiles. Below it the cost model decides (accumulators <= 128 registers a
+# thread cap block_t at 128 / 256 for 128-wide / 64-wide weight columns).
+MAX_DECODE_ROWS = MAX_BLOCK_T
+CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs a cluster (portable Hopper cluster sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +81,9 @@ class DecodeConfig:
     c owns weight columns [c * wg_block_w, (c + 1) * wg_block_w) of the
     CTA's block_w-wide weight tile and all block_t tokens, one f32
     accumulator [wg_block_w, block_t] per weight (wg_block_w * block_t / 128
-    registers a thread each).
+    registers a thread each). ``cluster`` C > 1: clusters of C CTAs share
+    each x tile (multicast), CTA c of a cluster takes the c-th N-block of
+    each superblock of C; num_ctas counts CTAs (num_ctas // C clusters).
     """
 
     num_compute_wgs: int = 2
@@ -73,7 +92,8 @@ class DecodeConfig:
     block_k: int = 64
     max_concurrent_steps: int = 6
     split_k: int = 1
-    num_ctas: int | None = None  # persistent grid size; None: the device's SM count
+    num_ctas: int | None = None  # persistent CTAs; None: the device's SM count
+    cluster: int = 1  # C: CTAs of a cluster share each x tile (TMA multicast)
 
     def __post_init__(self):
         if self.wg_block_w % WG_ROWS or self.wg_block_w <= 0:
@@ -82,6 +102,10 @@ class DecodeConfig:
         if self.block_t % mosaic_sm90.X_ROW_ALIGN or not 0 < self.block_t <= MAX_BLOCK_T:
             raise ValueError(f"block_t must be a multiple of {mosaic_sm90.X_ROW_ALIGN} in "
                              f"[8, {MAX_BLOCK_T}], got {self.block_t}")
+        if self.cluster not in CLUSTER_SIZES:
+            raise ValueError(f"cluster must be one of {CLUSTER_SIZES}, got {self.cluster}")
+        if self.num_ctas is not None and self.num_ctas < self.cluster:
+            raise ValueError(f"num_ctas={self.num_ctas} holds no cluster of {self.cluster}")
 
     @property
     def block_w(self) -> int:
@@ -130,6 +154,28 @@ class DecodePlan:
     def num_n_blocks(self) -> int:
         return self.n_pad // self.cfg.block_w
 
+    @property
+    def num_cluster_tiles(self) -> int:
+        """(item, N-superblock of cluster x block_w columns, K range) tiles."""
+        return self.cfg.split_k * self.num_items * self.num_n_blocks // self.cfg.cluster
+
+
+def multicast_splits(block_t: int, block_k: int, cluster: int) -> bool:
+    """Whether Mosaic can split the x tile [block_t, block_k] over a cluster
+    of ``cluster`` CTAs (each CTA's TMA loads one part and multicasts it):
+    Mosaic cuts the leading dims of the tiled tile [block_t / 8, block_k /
+    swizzle_k, 8] (the swizzled minor dim is never cut) in order, each dim
+    taking the whole remaining count or a divisor of it equal to its size."""
+    tile_k = _swizzle_transforms(block_k, 2)[0].tiling[1]
+    remaining = cluster
+    for size in (block_t // 8, block_k // tile_k, 8):
+        if size % remaining == 0:
+            return True
+        if remaining % size:
+            return False
+        remaining //= size
+    return remaining == 1
+
 
 def fit_smem(cfg: DecodeConfig, num_weights: int, in_bytes: int, out_bytes: int) -> DecodeConfig:
     """Drop pipeline stages (to >= 2) until the kernel fits the SMEM limit."""
@@ -144,7 +190,9 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] decode launch
     (what the launcher runs; cost_model.decode_cost replays it). With
     cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
-    at least max_concurrent_steps K steps (ValueError otherwise)."""
+    at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 N is
+    padded to whole superblocks of C N-blocks and the x tile must split over
+    the C CTAs (multicast_splits) (ValueError otherwise)."""
     planes = mosaic_sm90.num_planes(in_dtype)
     block_k = (mosaic_sm90._fit_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK)
                or mosaic_sm90._padded_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK))
@@ -153,12 +201,15 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes)
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
                       k_pad=mosaic_sm90._round_up(k, block_k),
-                      n_pad=mosaic_sm90._round_up(n, cfg.block_w),
+                      n_pad=mosaic_sm90._round_up(n, cfg.cluster * cfg.block_w),
                       num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t))
     smem = cfg.smem_bytes(num_weights, 2 * planes, out_bytes)
     if smem > mosaic_sm90.SMEM_LIMIT - mosaic_sm90._SMEM_RESERVE:
         raise ValueError(f"decode tiles {cfg} need {smem} bytes of shared memory at 2 stages, "
                          f"over the {mosaic_sm90.SMEM_LIMIT}-byte limit")
+    if not multicast_splits(cfg.block_t, block_k, cfg.cluster):
+        raise ValueError(f"the x tile [{cfg.block_t}, {block_k}] does not split over a "
+                         f"cluster of {cfg.cluster} CTAs (Mosaic's multicast TMA)")
     if cfg.split_k > 1 and plan.num_k_steps // cfg.split_k < cfg.max_concurrent_steps:
         raise ValueError(
             f"split_k={cfg.split_k} leaves K ranges of {plan.num_k_steps // cfg.split_k} "
@@ -172,18 +223,31 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def memory_registers(cfg: DecodeConfig) -> int:
+    """Registers per thread of the TMA producer warpgroup: mosaic_sm90's,
+    but 80 for a cluster with two or more consumers (its producer issues the
+    multicast x loads and waits on cluster barriers). Measured with ptxas for
+    sm_90a (fused SiTU, 2026-12-01): at 40 the producer of 2 x 64-column
+    consumers spilled 36-40 bytes at 64-96 tokens in clusters of 2-8; at 80,
+    0 (the consumers keep 216)."""
+    if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
+        return 80
+    return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
+
+
 def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes: int,
               num_k_steps: int, first_k_step=0):
     """Warp-specialized K pipeline of one tile: ``planes`` x tiles [block_t,
     block_k] and num_w x ``planes`` weight tiles [block_k, block_w] per step,
     K steps [first_k_step, first_k_step + num_k_steps)."""
     x_spec = plgpu.BlockSpec((cfg.block_t, cfg.block_k), lambda k: (0, k + first_k_step),
-                             transforms=_swizzle_transforms(cfg.block_k, 2))
+                             transforms=_swizzle_transforms(cfg.block_k, 2),
+                             collective_axes=("cluster",) if cfg.cluster > 1 else ())
     w_spec = plgpu.BlockSpec((cfg.block_k, cfg.block_w), lambda k: (k + first_k_step, 0),
                              transforms=_swizzle_transforms(cfg.block_w, 2))
     return plgpu.emit_pipeline_warp_specialized(
         step_fn, grid=(num_k_steps,),
-        memory_registers=mosaic_sm90._memory_registers(cfg.num_compute_wgs),
+        memory_registers=memory_registers(cfg),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
@@ -202,7 +266,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
     wg_w = cfg.wg_block_w
     split_k = cfg.split_k
     num_out = cfg.num_outputs(num_w)
-    num_n_blocks = n_pad // cfg.block_w
+    num_supers = n_pad // (cfg.cluster * cfg.block_w)
     pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes)
     products = mosaic_sm90._PRODUCTS[planes]
 
@@ -222,15 +286,21 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
                            collective_axes="wg")
         def _scope(allocs, o_smem):
             wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
+            # The CTA's place in its cluster: its N-block of each superblock.
+            cta = lax.axis_index("cluster") if cfg.cluster > 1 else 0
 
-            @plgpu.nd_loop((split_k * num_items * num_n_blocks,), collective_axes="sm")
+            @plgpu.nd_loop((split_k * num_items * num_supers,), collective_axes="sm")
             def _tile_loop(info: plgpu.NDLoopInfo):
                 # Item-major order: the used items come first in the table, so
                 # the tiles that run are a prefix of the loop and spread evenly
                 # over the CTAs (a snake would leave the unused items' idle
                 # tiles between them). A weight tile is read by one item only.
+                # All CTAs of a cluster walk the same (item, superblock, K
+                # range) tiles (the multicast x tile and the cluster barriers
+                # need every one of them in each pipeline).
                 lin, split = jnp.divmod(info.index[0], split_k)
-                item, n_block = jnp.divmod(lin, num_n_blocks)
+                item, n_super = jnp.divmod(lin, num_supers)
+                n_block = n_super * cfg.cluster + cta
                 group = meta_gmem[0, item]
                 x_row0 = meta_gmem[1, item]
                 count = meta_gmem[3, item]
@@ -327,15 +397,20 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
                       num_k_steps=plan.num_k_steps, n_pad=plan.n_pad, out_dtype=kernel_dtype)
     o_type = jax.ShapeDtypeStruct((split_k * plan.n_pad, meta_4W.shape[1] * cfg.block_t),
                                   kernel_dtype)
+    num_ctas = cfg.num_ctas or mosaic_sm90._num_sms(interpret)
+    cluster_args = (dict(cluster=(cfg.cluster,), cluster_names=("cluster",))
+                    if cfg.cluster > 1 else {})
     kernel = plgpu.kernel(
         body,
         out_type=[o_type] * cfg.num_outputs(num_w),
-        grid=(cfg.num_ctas or mosaic_sm90._num_sms(interpret),),
+        grid=(max(num_ctas // cfg.cluster, 1),),  # interpret mode has 4 "SMs"
         grid_names=("sm",),
+        **cluster_args,
         num_threads=cfg.num_compute_wgs + 1,
         thread_name="wg",
         kernel_name=(f"{'grouped_situ_glu' if num_w == 2 else 'grouped_matmul'}"
-                     f"_decode_t{cfg.block_t}"),
+                     f"_decode_t{cfg.block_t}"
+                     + (f"_c{cfg.cluster}" if cfg.cluster > 1 else "")),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_sm90._interpret_params(interpret),

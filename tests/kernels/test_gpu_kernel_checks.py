@@ -90,9 +90,15 @@ def test_cases_cover_what_the_benchmark_sweep_does_not():
     assert {c.op for c in decode} == {"matmul", "situ_glu"}
     assert any(c.decode.split_k > 1 for c in decode) and any(c.dtype == checks.F32 for c in decode)
     assert any(c.decode.num_ctas and c.k >= 1024 for c in decode)
+    clustered = [c for c in decode if c.decode.cluster > 1]  # x multicast over a CTA cluster
+    assert {c.decode.cluster for c in clustered} >= {2, 4}
+    assert any(c.decode.split_k > 1 and c.dtype == checks.F32 for c in clustered)
+    assert any(c.decode.num_ctas and c.k >= 1024 for c in clustered)
 
 
-def test_a_decode_case_passes_in_interpret_mode():
-    [case] = [c for c in checks.CASES if c.decode and c.dtype == checks.F32]
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_a_decode_case_passes_in_interpret_mode(cluster):
+    [case] = [c for c in checks.CASES
+              if c.decode and c.dtype == checks.F32 and c.decode.cluster == cluster]
     [row] = checks.run_checks([case], "interpret", log=lambda _: None)
     assert row["ok"] and 0 < row["rel_err"] <= row["tol"], row

@@ -1,11 +1,13 @@
 """mosaic_sm90_decode: the transposed decode kernel (weights on WGMMA's M side)
 in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
-(0 spills) for the tiles the launcher picks at the sweep's decode shapes, and
+(0 spills) for the tiles the launcher picks at the sweep's decode shapes
+(CTA clusters included; their interpret cases: test_kernels_grouped_decode_cluster.py), and
 the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 
-Measured on the 2-core host, nothing else running: the whole file 105 s
-(the ptxas test 55 s: the launcher's choice for 18 sweep rows, then one
-compile per distinct tiling; the interpret cases 31 s; the model test 10 s).
+Measured on the 2-core host, nothing else running: the whole file ~140 s
+(the ptxas test 76 s: the launcher's choice for 18 sweep rows, then one
+compile per distinct tiling, clusters included; the model test 16 s after
+it (the choice is cached), 35 s alone; the interpret cases 31 s).
 """
 
 from __future__ import annotations
@@ -140,31 +142,42 @@ def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
             assert not any("serializ" in w.lower() for w in rep.warnings), (op, cfg, rep)
 
 
+# Sweep rows (op, EP, tokens) where x <= 10% of the weight bytes and <= 1.05
+# weight reads per active expert cannot both hold: x / w = block_t /
+# (num_w x block_w x C) with C x block_w dividing N (down: N = 3584 = 7 x 512,
+# so C x block_w <= 512), the accumulators <= 128 registers a thread
+# (num_w x wg_block_w x block_t <= 128 x 128) and block_t >= the rows of
+# nearly every group (mean + ~3 sigma): down at ~37 rows a group (EP 32 x
+# 64 tokens, EP 8 x 256) needs block_t >= 56 (56 / 512 = 0.11; 48 gives
+# > 1.05 reads), down at ~73 (EP 16 x 256) >= 96 (0.19), down at ~146
+# (EP 32 x 256) >= 160 (0.31); gate_up at ~146 rows would need block_t >=
+# 160 > 128 x 128 / (2 x 64).
+X_TARGET_IMPOSSIBLE = {("down", 32, 64), ("down", 8, 256), ("down", 16, 256),
+                       ("down", 32, 256), ("gate_up_situ", 32, 256)}
+
+
 def test_model_decode_rows_x_bytes_and_weight_reads():
     """Issue 12 from the model, on the sweep's routing: every decode row the
     launcher gives the decode kernel keeps <= 1.05 weight reads per active
-    expert; at 16 tokens (every EP) and 64 tokens at EP 8 its x bytes are
-    <= 10% of its weight bytes and it is predicted within 3% of the
-    row-major kernel (faster in all but one of these rows). (Rows with ~18-37
-    rows a group can't do both within
-    128 accumulator registers a thread, see BENCHMARKS.md.)"""
+    expert; every row at 16, 64 and 256 tokens but X_TARGET_IMPOSSIBLE keeps
+    its x bytes <= 10% of its weight bytes (clusters multicast x where one
+    CTA's tile cannot) and is predicted within 3% of the row-major kernel."""
     chosen = 0
     for case, cfg in _decode_rows():
         sizes = gpu_kernels.grouped_sizes(case)
         cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
         assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
-        if cfg is None:
+        if (case.op, case.ep, case.tokens) in X_TARGET_IMPOSSIBLE:
             continue
+        assert cfg is not None, case.name
         chosen += 1
         assert cost.weight_reads_per_active_expert <= 1.05, (case.name, cost)
-        if case.tokens == 16 or (case.tokens == 64 and case.ep == 8):
-            row_major = cost_model.grouped_cost(sizes, case.rows, case.k, case.n,
-                                                case.num_weights)
-            assert cost.x_bytes_over_weight_bytes <= 0.10, (case.name, cost)
-            # The launcher compares mean times over proxy routings; on this one
-            # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
-            assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
-    assert chosen >= 8
+        row_major = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+        assert cost.x_bytes_over_weight_bytes <= 0.10, (case.name, cost)
+        # The launcher compares mean times over proxy routings; on this one
+        # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
+        assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
+    assert chosen == 18 - len(X_TARGET_IMPOSSIBLE)
 
 
 def test_model_counts_match_a_hand_count():
