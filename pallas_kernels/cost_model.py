@@ -294,7 +294,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     matmul_items = int(np.count_nonzero(matmul_W))
     return KernelCost(
         tiles=matmul_items * n_blocks * split_k,
-        sm_fill=float(cluster * time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        sm_fill=float(cluster * cluster_time.sum() / (num_sms * busiest)) if busiest else 0.0,
         weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
         out_bytes=float(o_SW.sum() * n_blocks + assemble_bytes),
         weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,

@@ -237,13 +237,15 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
 
 def memory_registers(cfg: DecodeConfig) -> int:
     """Registers per thread of the TMA producer warpgroup: mosaic_sm90's,
-    but 80 for a cluster with two or more consumers (its producer issues the
+    but 104 for a cluster with two or more consumers (its producer issues the
     multicast x loads and waits on cluster barriers). Measured with ptxas for
     sm_90a (fused SiTU, 2026-12-01): at 40 the producer of 2 x 64-column
     consumers spilled 36-40 bytes at 64-96 tokens in clusters of 2-8; at 80,
-    0 (the consumers keep 216)."""
+    0 with drained tiles, but 8 + 8 bytes once the tiles chain (three
+    pipeline variants: START / STEADY / STOP) at 64 tokens in a cluster of 4;
+    at 104, 0 (the consumers keep 200)."""
     if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
-        return 80
+        return 104
     return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
 
 
