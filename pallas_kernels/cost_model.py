@@ -237,7 +237,9 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     tile (x's HBM bytes are unchanged: once per item). The persistent grid
     is num_sms // C clusters; cluster tile j runs on cluster j mod that, and
     the C x clusters CTAs share the bandwidth of all num_sms SMs (SMs left
-    idle when C does not divide num_sms are charged, as in the SM fill)."""
+    idle when C does not divide num_sms are charged, as in the SM fill).
+    A launch whose tiles chain (plan.no_drain) pays TILE_OVERHEAD_S once per
+    cluster, as grouped_cost's."""
     sizes = np.asarray(group_sizes_G, np.int64)
     plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg, planes = plan.cfg, plan.planes
@@ -268,17 +270,21 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                            x_SW.shape)
     first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
     hbm_SW = np.where(first_W, w_SW, 0) + x_SW * cluster / n_blocks + o_SW
+    tile_overhead = 0.0 if plan.no_drain else TILE_OVERHEAD_S
     time_SW = np.where(matmul_W, np.maximum(flops_SW / (DENSE_BF16_FLOPS / num_sms),
                                             hbm_SW / (COPY_BYTES_PER_S / num_sms))
-                       + TILE_OVERHEAD_S, 0.0)
+                       + tile_overhead, 0.0)
     # The kernel's item-major loop over cluster tiles (item, superblock, K
     # range); the C CTAs of a cluster run its C tiles side by side.
     supers = n_blocks // cluster
     item_T = np.repeat(np.arange(num_items), supers * split_k)
     split_T = np.tile(np.arange(split_k), num_items * supers)
     time_T = time_SW[split_T, item_T]
-    cluster_time = np.bincount(np.arange(len(time_T)) % num_clusters, weights=time_T,
-                               minlength=num_clusters)
+    cluster_T = np.arange(len(time_T)) % num_clusters
+    cluster_time = np.bincount(cluster_T, weights=time_T, minlength=num_clusters)
+    if plan.no_drain:  # one first-tile overhead per cluster that runs a tile, as grouped_cost
+        cluster_tiles = np.bincount(cluster_T, weights=matmul_W[item_T], minlength=num_clusters)
+        cluster_time = cluster_time + np.where(cluster_tiles > 0, TILE_OVERHEAD_S, 0.0)
     busiest = float(cluster_time.max())
     # XLA gathers y from the tiles: reads each row's column (of every K range's
     # f32 partials with split-K) and writes y.
@@ -288,7 +294,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     matmul_items = int(np.count_nonzero(matmul_W))
     return KernelCost(
         tiles=matmul_items * n_blocks * split_k,
-        sm_fill=float(cluster * time_T.sum() / (num_sms * busiest)) if busiest else 0.0,
+        sm_fill=float(cluster * cluster_time.sum() / (num_sms * busiest)) if busiest else 0.0,
         weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
         out_bytes=float(o_SW.sum() * n_blocks + assemble_bytes),
         weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,
@@ -296,7 +302,8 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * n_blocks),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode"})
+        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode",
+                "no_drain": plan.no_drain})
 
 
 # best_grouped_config prefers a decode launch that keeps x <= DECODE_X_OVER_W

@@ -372,7 +372,13 @@ def pipeline_bounds_2C(meta_4W: jax.Array, num_n_blocks: int, split_k: int, grid
     """int32 [2, C]: per CTA c (which runs linear tiles c, c + C, ...), the
     first and the last tile that runs a matmul (-1 when it runs none); XLA,
     jittable with a traced table (O(T) work, T = split_k * W * N-blocks)."""
-    runs_T = matmul_tiles_T(meta_4W, num_n_blocks, split_k, grid_block_n)
+    return chain_bounds_2C(matmul_tiles_T(meta_4W, num_n_blocks, split_k, grid_block_n),
+                           num_ctas)
+
+
+def chain_bounds_2C(runs_T: jax.Array, num_ctas: int) -> jax.Array:
+    """int32 [2, C]: for a persistent loop that gives linear tile t to CTA
+    t mod C, each CTA's first and last tile with runs_T[t] (-1 when none)."""
     t_T = jnp.arange(runs_T.shape[0], dtype=jnp.int32)
     cta_T = t_T % num_ctas
     first_C = jax.ops.segment_min(jnp.where(runs_T, t_T, runs_T.shape[0]), cta_T,
@@ -390,6 +396,25 @@ def no_drain_stages(step_counts: list[int] | set[int], max_stages: int) -> int:
         if all(steps % stages == 0 for steps in step_counts):
             return stages
     return 0
+
+
+def chain_state(tile, bounds_gmem, cta) -> jax.Array:
+    """0 / 1 / 2 = START / STEADY / STOP: linear tile ``tile``'s place in
+    the chain of pipelines of CTA (or cluster) ``cta``, whose first and last
+    matmul tiles are bounds_gmem[:, cta] (chain_bounds_2C)."""
+    return jnp.where(tile == bounds_gmem[0, cta], int(_START),
+                     jnp.where(tile == bounds_gmem[1, cta], int(_STOP), int(_STEADY)))
+
+
+def quiesce_ring(allocs: dict, stages: int) -> None:
+    """The producer's wait for the consumers' release of the ring's last
+    ``stages`` steps (jax's STOP quiesce), for a CTA whose only chained tile
+    ran as START (jax has no state that is both START and STOP). ``allocs``
+    is the pipeline's get_allocations() dict: its "flat_consumed_barrier_refs"
+    key is jax 0.11.2's, so a rename fails loudly here."""
+    for barrier in allocs["flat_consumed_barrier_refs"]:
+        for slot in range(stages):
+            plgpu.barrier_wait(barrier.at[slot])
 
 
 # (x plane, w plane) products per K step and weight. One plane: the native
@@ -504,14 +529,6 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                         store(epilogue(*[acc[...] for acc in accs]))
 
                 first, steps = k_range(split, num_k_steps, split_k)
-                def chain_state():
-                    """0 / 1 / 2 = START / STEADY / STOP: this tile's place in
-                    the CTA's chain of pipelines (no_drain)."""
-                    sm = lax.axis_index("sm")
-                    tile = info.index[0]
-                    return jnp.where(tile == bounds_gmem[0, sm], int(_START),
-                                     jnp.where(tile == bounds_gmem[1, sm], int(_STOP),
-                                               int(_STEADY)))
 
                 # K ranges have one of <= 2 static lengths: one pipeline each
                 # (a static trip count; a traced one costs registers and spills).
@@ -530,8 +547,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                                 allocations=allocs)
 
                         if no_drain:  # one switch: no value stays live across the states
-                            lax.switch(chain_state(), [functools.partial(run, st)
-                                                       for st in (_START, _STEADY, _STOP)])
+                            state = chain_state(info.index[0], bounds_gmem, lax.axis_index("sm"))
+                            lax.switch(state, [functools.partial(run, st)
+                                               for st in (_START, _STEADY, _STOP)])
                         else:
                             run(None)
 
@@ -551,9 +569,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                 # the scope with every phase observed.
                 @pl.when((wg == cfg.num_compute_wgs) & (first >= 0) & (first == last))
                 def _quiesce():
-                    for barrier in allocs["flat_consumed_barrier_refs"]:
-                        for slot in range(cfg.max_concurrent_steps):
-                            plgpu.barrier_wait(barrier.at[slot])
+                    quiesce_ring(allocs, cfg.max_concurrent_steps)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

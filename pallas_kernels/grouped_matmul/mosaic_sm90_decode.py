@@ -145,6 +145,8 @@ class DecodePlan:
     k_pad: int
     n_pad: int
     num_items: int  # W: columns of the work-item table (the static bound)
+    no_drain: bool  # a CTA's tiles chain their pipelines (mosaic_sm90.no_drain_stages)
+    approx_math: bool  # bf16 / f16 output (no split-K): approximate tanh / exp
 
     @property
     def num_k_steps(self) -> int:
@@ -192,17 +194,27 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
     at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 N is
     padded to whole superblocks of C N-blocks and the x tile must split over
-    the C CTAs (multicast_splits) (ValueError otherwise)."""
+    the C CTAs (multicast_splits) (ValueError otherwise). As in
+    mosaic_sm90.plan_launch, a stage count in [3, fitted] that divides every
+    K range's steps chains each CTA's tiles without draining (no_drain)."""
     planes = mosaic_sm90.num_planes(in_dtype)
     block_k = (mosaic_sm90._fit_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK)
                or mosaic_sm90._padded_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK))
     cfg = dataclasses.replace(cfg, block_k=block_k)
     out_bytes = 4 if cfg.split_k > 1 else jnp.dtype(out_dtype).itemsize
     cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes)
+    k_pad = mosaic_sm90._round_up(k, block_k)
+    stages = mosaic_sm90.no_drain_stages(
+        {mosaic_sm90.k_range(s, k_pad // block_k, cfg.split_k)[1] for s in range(cfg.split_k)},
+        cfg.max_concurrent_steps)
+    if stages:
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
-                      k_pad=mosaic_sm90._round_up(k, block_k),
+                      k_pad=k_pad,
                       n_pad=mosaic_sm90._round_up(n, cfg.cluster * cfg.block_w),
-                      num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t))
+                      num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t),
+                      no_drain=bool(stages),
+                      approx_math=cfg.split_k == 1 and jnp.dtype(out_dtype).itemsize == 2)
     smem = cfg.smem_bytes(num_weights, 2 * planes, out_bytes)
     if smem > mosaic_sm90.SMEM_LIMIT - mosaic_sm90._SMEM_RESERVE:
         raise ValueError(f"decode tiles {cfg} need {smem} bytes of shared memory at 2 stages, "
@@ -225,21 +237,25 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
 
 def memory_registers(cfg: DecodeConfig) -> int:
     """Registers per thread of the TMA producer warpgroup: mosaic_sm90's,
-    but 80 for a cluster with two or more consumers (its producer issues the
+    but 104 for a cluster with two or more consumers (its producer issues the
     multicast x loads and waits on cluster barriers). Measured with ptxas for
     sm_90a (fused SiTU, 2026-12-01): at 40 the producer of 2 x 64-column
     consumers spilled 36-40 bytes at 64-96 tokens in clusters of 2-8; at 80,
-    0 (the consumers keep 216)."""
+    0 with drained tiles, but 8 + 8 bytes once the tiles chain (three
+    pipeline variants: START / STEADY / STOP) at 64 tokens in a cluster of 4;
+    at 104, 0 (the consumers keep 200)."""
     if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
-        return 80
+        return 104
     return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
 
 
 def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes: int,
-              num_k_steps: int, first_k_step=0):
+              num_k_steps: int, first_k_step=0,
+              pipeline_state: plgpu.PipelinePipeline | None = None):
     """Warp-specialized K pipeline of one tile: ``planes`` x tiles [block_t,
     block_k] and num_w x ``planes`` weight tiles [block_k, block_w] per step,
-    K steps [first_k_step, first_k_step + num_k_steps)."""
+    K steps [first_k_step, first_k_step + num_k_steps); pipeline_state as in
+    mosaic_sm90._pipeline (None: drain the ring after the tile)."""
     x_spec = plgpu.BlockSpec((cfg.block_t, cfg.block_k), lambda k: (0, k + first_k_step),
                              transforms=_swizzle_transforms(cfg.block_k, 2),
                              collective_axes=("cluster",) if cfg.cluster > 1 else ())
@@ -250,18 +266,23 @@ def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes
         memory_registers=memory_registers(cfg),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
-        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
+        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,
+        pipeline_state=pipeline_state)
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig,
-               num_k_steps: int, n_pad: int, out_dtype):
-    """Kernel body(meta_4W, *x_planes_MK, *w_planes_GKN, *o_Ts): each o_T is
+               num_k_steps: int, n_pad: int, out_dtype, no_drain: bool):
+    """Kernel body(meta_4W, [bounds_2C,] *x_planes_MK, *w_planes_GKN, *o_Ts): each o_T is
     [S * n_pad, W * block_t]; item w's transposed tiles fill its columns
     [w * block_t, (w + 1) * block_t), K range s its rows [s * n_pad, (s + 1) * n_pad).
 
     epilogue(*acc_tiles) -> tuple of output tiles (the SiTU, or with split-K
     S > 1 the f32 products themselves: the caller sums and applies it).
     Every warpgroup walks the same (item, N-block, K range) sequence.
+    no_drain: bounds_2C (mosaic_sm90.chain_bounds_2C, per cluster) gives the
+    first and last tile that runs a matmul; the tiles chain their pipelines
+    START / STEADY / STOP as in mosaic_sm90._make_body (every CTA of a
+    cluster takes the same states: they walk the same tiles).
     """
     wg_w = cfg.wg_block_w
     split_k = cfg.split_k
@@ -271,6 +292,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
     products = mosaic_sm90._PRODUCTS[planes]
 
     def body(meta_gmem, *refs):
+        bounds_gmem, refs = (refs[0], refs[1:]) if no_drain else (None, refs)
         x_gmems, w_gmems = refs[:planes], refs[planes:planes + num_w * planes]
         o_gmems = refs[planes + num_w * planes:]
         num_items = meta_gmem.shape[1]
@@ -345,15 +367,44 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: DecodeConfig
                         rows = pl.ds(pl.multiple_of(x_row0, mosaic_sm90.X_ROW_ALIGN),
                                      cfg.block_t)
                         cols = pl.ds(n_block * cfg.block_w, cfg.block_w)
-                        pipeline_for(mma, compute_context, num_k_steps=length,
-                                     first_k_step=first)(
-                            *[x.at[rows, :] for x in x_gmems],
-                            *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
-                            allocations=allocs)
+
+                        def run(pipeline_state):
+                            pipeline_for(mma, compute_context, num_k_steps=length,
+                                         first_k_step=first, pipeline_state=pipeline_state)(
+                                *[x.at[rows, :] for x in x_gmems],
+                                *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                                allocations=allocs)
+
+                        if no_drain:
+                            state = mosaic_sm90.chain_state(info.index[0], bounds_gmem,
+                                                            lax.axis_index("sm"))
+                            lax.switch(state, [functools.partial(run, st) for st in (
+                                plgpu.PipelinePipeline.START, plgpu.PipelinePipeline.STEADY,
+                                plgpu.PipelinePipeline.STOP)])
+                        else:
+                            run(None)
+
+            if no_drain:  # a CTA whose only matmul tile ran as START
+                first_tile = bounds_gmem[0, lax.axis_index("sm")]
+
+                @pl.when((wg == cfg.num_compute_wgs) & (first_tile >= 0)
+                         & (first_tile == bounds_gmem[1, lax.axis_index("sm")]))
+                def _quiesce():
+                    mosaic_sm90.quiesce_ring(allocs, cfg.max_concurrent_steps)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return body
+
+
+def chain_bounds_2C(meta_4W, plan: DecodePlan, num_clusters: int) -> jax.Array:
+    """int32 [2, num_clusters]: each cluster's first and last tile (the
+    kernel's item-major (item, N-superblock, K range) index) that runs a
+    matmul, -1 when none (XLA, from the traced table)."""
+    tile_T = jnp.arange(plan.num_cluster_tiles, dtype=jnp.int32)
+    item_T = tile_T // (plan.cfg.split_k * (plan.num_n_blocks // plan.cfg.cluster))
+    runs_T = (meta_4W[3, item_T] > 0) & (meta_4W[0, item_T] >= 0)
+    return mosaic_sm90.chain_bounds_2C(runs_T, num_clusters)
 
 
 def row_columns(meta_4W, num_rows: int, block_t: int):
@@ -394,16 +445,19 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
     else:
         kernel_epilogue, kernel_dtype = (lambda *accs: (epilogue(*accs),)), out_dtype
     body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg,
-                      num_k_steps=plan.num_k_steps, n_pad=plan.n_pad, out_dtype=kernel_dtype)
+                      num_k_steps=plan.num_k_steps, n_pad=plan.n_pad, out_dtype=kernel_dtype,
+                      no_drain=plan.no_drain)
     o_type = jax.ShapeDtypeStruct((split_k * plan.n_pad, meta_4W.shape[1] * cfg.block_t),
                                   kernel_dtype)
     num_ctas = cfg.num_ctas or mosaic_sm90._num_sms(interpret)
+    num_clusters = max(num_ctas // cfg.cluster, 1)  # interpret mode has 4 "SMs"
+    bounds = [chain_bounds_2C(meta_4W, plan, num_clusters)] if plan.no_drain else []
     cluster_args = (dict(cluster=(cfg.cluster,), cluster_names=("cluster",))
                     if cfg.cluster > 1 else {})
     kernel = plgpu.kernel(
         body,
         out_type=[o_type] * cfg.num_outputs(num_w),
-        grid=(max(num_ctas // cfg.cluster, 1),),  # interpret mode has 4 "SMs"
+        grid=(num_clusters,),
         grid_names=("sm",),
         **cluster_args,
         num_threads=cfg.num_compute_wgs + 1,
@@ -412,10 +466,10 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
                      f"_decode_t{cfg.block_t}"
                      + (f"_c{cfg.cluster}" if cfg.cluster > 1 else "")),
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=plan.approx_math),
         interpret=mosaic_sm90._interpret_params(interpret),
     )
-    o_Ts = kernel(meta_4W, *x_planes, *w_planes)
+    o_Ts = kernel(meta_4W, *bounds, *x_planes, *w_planes)
     col_M, valid_M = row_columns(meta_4W, m, cfg.block_t)
     # [S, n_pad, C] -> the rows' columns [S, n, M], summed over the K ranges.
     rows_NM = [jnp.take(o.reshape(split_k, plan.n_pad, -1)[:, :n], col_M, axis=2,

@@ -57,14 +57,21 @@ CASES = [
 def _case_id(case) -> str:
     m, k, n, sizes, dtype, cfg = case
     return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
-            f"_t{cfg.block_t}_s{cfg.split_k}")
+            f"_t{cfg.block_t}_s{cfg.split_k}" + (f"_c{cfg.cluster}" if cfg.cluster > 1 else ""))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_decode_kernel_interpret_matches_float64(case):
     """Both products of one launch shape: the plain and the fused kernel
     against the float64 loop; tail rows exactly 0, no NaN from the poisoned
-    tail of x."""
+    tail of x. (K of 2 or 5 steps: no stage count >= 3 divides it, so these
+    tiles drain; the chained ones are CHAINED below.)"""
+    m, k, n, sizes, dtype, cfg = case
+    assert not dec.plan_launch(m, k, n, len(sizes), 1, dtype, dtype, cfg).no_drain
+    _check_both_products(case)
+
+
+def _check_both_products(case) -> None:
     m, k, n, sizes, dtype, cfg = case
     sizes = np.asarray(sizes, np.int32)
     x, (wg, wu) = kc.grouped_inputs(m + k + n, m, k, n, len(sizes), dtype, 2)
@@ -77,6 +84,59 @@ def test_decode_kernel_interpret_matches_float64(case):
     h = dec.grouped_situ_glu(x, wg, wu, sizes_j, config=cfg, interpret=True, **SITU)
     kc.assert_grouped_output(h, kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes),
                              sizes, kc.kernel_tol(dtype), "fused " + _case_id(case))
+
+
+# Chained tiles (DecodePlan.no_drain): 8 K steps, 4 stages. (m, k, n, sizes,
+# dtype, config): 2 CTAs over 20 tiles with empty groups and a NaN tail;
+# 4 CTAs of which 2 get one tile and 2 none (the single-tile quiesce);
+# clusters of 2 (the chain's states shared by the cluster); bf16x3 float32.
+CHAINED = [
+    (40, 512, 256, [7, 0, 13, 1, 0], BF16,
+     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+                  num_ctas=2)),
+    (16, 512, 128, [16], BF16,
+     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+                  num_ctas=4)),
+    (40, 512, 256, [7, 0, 13, 1, 0], BF16,
+     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+                  num_ctas=4, cluster=2)),
+    (24, 512, 128, [0, 9, 5, 3], F32,
+     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
+                  num_ctas=3)),
+]
+
+
+@pytest.mark.parametrize("case", CHAINED, ids=_case_id)
+def test_chained_decode_tiles_match_float64(case):
+    """No drain between a CTA's tiles (START / STEADY / STOP, and a lone
+    START tile quiesced after the loop): both products against float64. The
+    interpreter checks the barrier phases, so a wrong chain fails here."""
+    m, k, n, sizes, dtype, cfg = case
+    for num_w in (1, 2):
+        assert dec.plan_launch(m, k, n, len(sizes), num_w, dtype, dtype, cfg).no_drain
+    _check_both_products(case)
+
+
+def test_chain_bounds_are_each_clusters_first_and_last_matmul_tile():
+    """chain_bounds_2C against a replay of the kernel's item-major loop:
+    cluster c runs tiles c, c + C, ...; a tile runs a matmul when its item is
+    a non-empty item of a group (not the tail)."""
+    sizes = jnp.asarray([3, 0, 20, 1, 0, 9], jnp.int32)
+    m, k, n = 40, 512, 512
+    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
+                       split_k=2, cluster=2)
+    plan = dec.plan_launch(m, k, n, len(sizes), 1, BF16, BF16, cfg)
+    meta = np.asarray(mosaic_sm90.work_items_4W(sizes, m, cfg.block_t))
+    for num_clusters in (1, 3, 7, 64):
+        bounds = np.asarray(dec.chain_bounds_2C(jnp.asarray(meta), plan, num_clusters))
+        supers = plan.num_n_blocks // cfg.cluster
+        runs = [(meta[3, t // (cfg.split_k * supers)] > 0)
+                and (meta[0, t // (cfg.split_k * supers)] >= 0)
+                for t in range(plan.num_cluster_tiles)]
+        for c in range(num_clusters):
+            mine = [t for t in range(c, plan.num_cluster_tiles, num_clusters) if runs[t]]
+            want = (mine[0], mine[-1]) if mine else (-1, -1)
+            assert tuple(bounds[:, c]) == want, (num_clusters, c)
 
 
 def test_row_columns_point_each_row_at_its_items_column():

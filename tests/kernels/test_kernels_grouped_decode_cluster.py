@@ -130,13 +130,16 @@ def test_model_cluster_counts_match_a_hand_count():
 def test_model_charges_the_sms_a_cluster_size_leaves_idle():
     """132 SMs hold 16 clusters of 8 (128 SMs): 128 equal cluster tiles take
     8 rounds, where unclustered 1024 CTA tiles on 132 SMs take 8 rounds
-    (1024 / 132 = 7.8); the SM fill is 128 / 132 of the busy time."""
+    (1024 / 132 = 7.8); the SM fill is 128 / 132 of the busy time. (K = 448:
+    7 K steps, so the tiles drain and each pays the same overhead.)"""
     sizes = [8] * 128
     cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=8)
-    cost = cost_model.decode_cost(sizes, 8 * 128, 256, 512, 1, config=cfg)
+    assert not dec.plan_launch(8 * 128, 448, 512, 128, 1, jnp.bfloat16, jnp.bfloat16,
+                               cfg).no_drain
+    cost = cost_model.decode_cost(sizes, 8 * 128, 448, 512, 1, config=cfg)
     assert cost.tiles == 128 * 8
     assert cost.sm_fill == pytest.approx(128 / 132)
-    unclustered = cost_model.decode_cost(sizes, 8 * 128, 256, 512, 1,
+    unclustered = cost_model.decode_cost(sizes, 8 * 128, 448, 512, 1,
                                          config=DecodeConfig(num_compute_wgs=1, wg_block_w=64,
                                                              block_t=8))
     assert unclustered.sm_fill == pytest.approx(1024 / (132 * 8))
