@@ -12,6 +12,7 @@ it (the choice is cached), 35 s alone; the interpret cases 31 s).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -202,32 +203,76 @@ def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
             assert not any("serializ" in w.lower() for w in rep.warnings), (op, cfg, rep)
 
 
-# Sweep rows (op, EP, tokens) where x <= 10% of the weight bytes and <= 1.05
-# weight reads per active expert cannot both hold: x / w = block_t /
-# (num_w x block_w x C) with C x block_w dividing N (down: N = 3584 = 7 x 512,
-# so C x block_w <= 512), the accumulators <= 128 registers a thread
-# (num_w x wg_block_w x block_t <= 128 x 128) and block_t >= the rows of
-# nearly every group (mean + ~3 sigma): down at ~37 rows a group (EP 32 x
-# 64 tokens, EP 8 x 256) needs block_t >= 56 (56 / 512 = 0.11; 48 gives
-# > 1.05 reads), down at ~73 (EP 16 x 256) >= 96 (0.19), down at ~146
-# (EP 32 x 256) >= 160 (0.31); gate_up at ~146 rows would need block_t >=
-# 160 > 128 x 128 / (2 x 64).
-X_TARGET_IMPOSSIBLE = {("down", 32, 64), ("down", 8, 256), ("down", 16, 256),
-                       ("down", 32, 256), ("gate_up_situ", 32, 256)}
+# Sweep rows (op, EP, tokens) where no decode tiling keeps x <= 10% of the
+# weight bytes with <= 1.05 weight reads per active expert: x / w = block_t /
+# (num_w x block_w x C) with C x block_w dividing N (no weight padding; down:
+# N = 3584 = 7 x 512, so C x block_w <= 512), the accumulators <= 128
+# registers a thread (num_w x wg_block_w x block_t <= 128 x 128) and block_t
+# >= the rows of nearly every group (mean + ~3 sigma): down at ~37 rows a
+# group (EP 32 x 64 tokens, EP 8 x 256) needs block_t >= 56 (56 / 512 = 0.11;
+# 48 gives > 1.05 reads), down at ~73 (EP 16 x 256) >= 96 (0.19), down at
+# ~146 (EP 32 x 256) >= 160 (0.31); gate_up at ~146 rows would need block_t
+# >= 160 > 128 x 128 / (2 x 64). Of these, the two EP 32 x 256 rows stay out
+# of reach on an H200 even if the last cluster overhung N (the register file
+# caps block_t x block_w); the three other down rows were reached that way on
+# branch `oobn` (TMA zero fill past N), predicted 4.9-21% slower than the
+# row-major tiles, so it was not merged.
+X_TARGET_NO_TILING = {("down", 32, 64), ("down", 8, 256), ("down", 16, 256),
+                      ("down", 32, 256), ("gate_up_situ", 32, 256)}
+# Rows where such a tiling exists but is predicted (mean over the proxy
+# draws) more than DECODE_TIE slower than the row-major tiles, so the launcher
+# keeps a faster one: gate_up EP 16 x 256 (cluster 8, 128 tokens: +2.5% since
+# the row-major tiles stopped draining the pipeline between tiles).
+X_TARGET_SLOWER = {("gate_up_situ", 16, 256)}
+
+
+@functools.lru_cache(maxsize=32)
+def _lean_candidate(rows: int, k: int, n: int, num_groups: int, num_weights: int):
+    """((mean predicted us, tiling) of the fastest decode candidate that
+    keeps x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads
+    per active expert on every proxy draw (best_grouped_config's filter
+    without its time tie) or None, the row-major tiles' mean us)."""
+    draws = cost_model.proxy_group_sizes(rows, num_groups)
+    best = None
+    with mosaic_sm90.host_eval():
+        row_major_us = float(np.mean([cost_model.grouped_cost(s, rows, k, n, num_weights)
+                                      .predicted_us for s in draws]))
+        for cfg in cost_model.decode_candidates(rows, n, num_groups, num_weights):
+            try:
+                costs = [cost_model.decode_cost(s, rows, k, n, num_weights, config=cfg)
+                         for s in draws]
+            except ValueError:
+                continue
+            if (max(c.x_bytes_over_weight_bytes for c in costs) <= cost_model.DECODE_X_OVER_W
+                    and max(c.weight_reads_per_active_expert for c in costs) <= 1.05):
+                us = float(np.mean([c.predicted_us for c in costs]))
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+    return best, row_major_us
 
 
 def test_model_decode_rows_x_bytes_and_weight_reads():
-    """Issue 12 from the model, on the sweep's routing: every decode row the
-    launcher gives the decode kernel keeps <= 1.05 weight reads per active
-    expert; every row at 16, 64 and 256 tokens but X_TARGET_IMPOSSIBLE keeps
-    its x bytes <= 10% of its weight bytes (clusters multicast x where one
-    CTA's tile cannot) and is predicted within 3% of the row-major kernel."""
+    """Issue 12 from the model, on the sweep's routing: every row at 16, 64
+    and 256 tokens but X_TARGET_NO_TILING and X_TARGET_SLOWER runs the decode
+    kernel with <= 1.05 weight reads per active expert and x bytes <= 10% of
+    its weight bytes (clusters multicast x where one CTA's tile cannot),
+    predicted within 3% of the row-major kernel. X_TARGET_NO_TILING rows have
+    no candidate meeting the target; X_TARGET_SLOWER rows have one, predicted
+    over DECODE_TIE slower than the row-major tiles."""
     chosen = 0
     for case, cfg in _decode_rows():
         sizes = gpu_kernels.grouped_sizes(case)
         cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
         assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
-        if (case.op, case.ep, case.tokens) in X_TARGET_IMPOSSIBLE:
+        key = (case.op, case.ep, case.tokens)
+        if key in X_TARGET_NO_TILING | X_TARGET_SLOWER:
+            lean, row_major_us = _lean_candidate(case.rows, case.k, case.n,
+                                                 case.local_experts, case.num_weights)
+            if key in X_TARGET_NO_TILING:
+                assert lean is None, (case.name, lean)
+            else:
+                assert lean is not None, case.name
+                assert lean[0] > row_major_us * (1 + cost_model.DECODE_TIE), (case.name, lean)
             continue
         assert cfg is not None, case.name
         chosen += 1
@@ -237,7 +282,7 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
         # The launcher compares mean times over proxy routings; on this one
         # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
         assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
-    assert chosen == 18 - len(X_TARGET_IMPOSSIBLE)
+    assert chosen == 18 - len(X_TARGET_NO_TILING | X_TARGET_SLOWER)
 
 
 def test_model_counts_match_a_hand_count():
