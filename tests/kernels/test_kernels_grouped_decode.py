@@ -55,13 +55,7 @@ CASES = [
 ]
 
 
-def _case_id(case) -> str:
-    m, k, n, sizes, dtype, cfg = case
-    return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
-            f"_t{cfg.block_t}_s{cfg.split_k}" + (f"_c{cfg.cluster}" if cfg.cluster > 1 else ""))
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
 def test_decode_kernel_interpret_matches_float64(case):
     """Both products of one launch shape: the plain and the fused kernel
     against the float64 loop; tail rows exactly 0, no NaN from the poisoned
@@ -69,22 +63,7 @@ def test_decode_kernel_interpret_matches_float64(case):
     tiles drain; the chained ones are CHAINED below.)"""
     m, k, n, sizes, dtype, cfg = case
     assert not dec.plan_launch(m, k, n, len(sizes), 1, dtype, dtype, cfg).no_drain
-    _check_both_products(case)
-
-
-def _check_both_products(case) -> None:
-    m, k, n, sizes, dtype, cfg = case
-    sizes = np.asarray(sizes, np.int32)
-    x, (wg, wu) = kc.grouped_inputs(m + k + n, m, k, n, len(sizes), dtype, 2)
-    x = kc.poison_tail(x, sizes)
-    sizes_j = jnp.asarray(sizes)
-    y = dec.grouped_matmul(x, wg, sizes_j, config=cfg, interpret=True)
-    assert y.shape == (m, n) and y.dtype == dtype
-    kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(wg), sizes), sizes,
-                             kc.kernel_tol(dtype), "plain " + _case_id(case))
-    h = dec.grouped_situ_glu(x, wg, wu, sizes_j, config=cfg, interpret=True, **SITU)
-    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes),
-                             sizes, kc.kernel_tol(dtype), "fused " + _case_id(case))
+    kc.check_decode_products(case, seed=sum(case[:3]))
 
 
 # Chained tiles (DecodePlan.no_drain): 8 K steps, 4 stages. (m, k, n, sizes,
@@ -107,7 +86,7 @@ CHAINED = [
 ]
 
 
-@pytest.mark.parametrize("case", CHAINED, ids=_case_id)
+@pytest.mark.parametrize("case", CHAINED, ids=kc.decode_case_id)
 def test_chained_decode_tiles_match_float64(case):
     """No drain between a CTA's tiles (START / STEADY / STOP, and a lone
     START tile quiesced after the loop): both products against float64. The
@@ -115,7 +94,7 @@ def test_chained_decode_tiles_match_float64(case):
     m, k, n, sizes, dtype, cfg = case
     for num_w in (1, 2):
         assert dec.plan_launch(m, k, n, len(sizes), num_w, dtype, dtype, cfg).no_drain
-    _check_both_products(case)
+    kc.check_decode_products(case, seed=sum(case[:3]))
 
 
 def test_chain_bounds_are_each_clusters_first_and_last_matmul_tile():
@@ -303,13 +282,7 @@ def test_model_counts_match_a_hand_count():
 def test_launcher_dispatch_picks_the_decode_kernel(monkeypatch):
     """backend="interpret" runs the decode kernel where the model picks it
     (few rows a group, N a multiple of the tile width) and matches float64."""
-    calls = []
-    orig = dec._grouped_call
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["cfg"])
-        return orig(*args, **kwargs)
-    monkeypatch.setattr(dec, "_grouped_call", spy)
+    calls = kc.spy_decode_launches(monkeypatch)
     m, k, n, sizes = 24, 128, 256, np.asarray([3, 0, 5, 2, 4, 0, 1, 6], np.int32)
     assert api.decode_config(jax.ShapeDtypeStruct((m, k), BF16),
                              jax.ShapeDtypeStruct((8, k, n), BF16), 1) is not None

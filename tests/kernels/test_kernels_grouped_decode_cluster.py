@@ -31,7 +31,6 @@ from pallas_kernels import cost_model  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 DecodeConfig = dec.DecodeConfig
 
 # (m, k, n, sizes, dtype, config). Empty groups and a NaN tail past
@@ -53,13 +52,7 @@ CASES = [
 ]
 
 
-def _case_id(case) -> str:
-    m, k, n, sizes, dtype, cfg = case
-    return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
-            f"_t{cfg.block_t}_s{cfg.split_k}_c{cfg.cluster}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
 def test_cluster_decode_kernel_interpret_matches_float64(case):
     """Both products of one launch shape against the float64 loop; tail rows
     exactly 0, no NaN from the poisoned tail of x."""
@@ -67,17 +60,7 @@ def test_cluster_decode_kernel_interpret_matches_float64(case):
     plan = dec.plan_launch(m, k, n, len(sizes), 2, dtype, dtype, cfg)
     num_clusters = cfg.num_ctas // cfg.cluster
     assert plan.num_cluster_tiles > num_clusters  # the persistent loop runs
-    sizes = np.asarray(sizes, np.int32)
-    x, (wg, wu) = kc.grouped_inputs(m + k + n + cfg.cluster, m, k, n, len(sizes), dtype, 2)
-    x = kc.poison_tail(x, sizes)
-    sizes_j = jnp.asarray(sizes)
-    y = dec.grouped_matmul(x, wg, sizes_j, config=cfg, interpret=True)
-    assert y.shape == (m, n) and y.dtype == dtype
-    kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(wg), sizes), sizes,
-                             kc.kernel_tol(dtype), "plain " + _case_id(case))
-    h = dec.grouped_situ_glu(x, wg, wu, sizes_j, config=cfg, interpret=True, **SITU)
-    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes),
-                             sizes, kc.kernel_tol(dtype), "fused " + _case_id(case))
+    kc.check_decode_products(case, seed=m + k + n + cfg.cluster)
 
 
 def test_multicast_split_rule():
@@ -172,13 +155,7 @@ def test_launcher_dispatch_runs_a_cluster_tiling(monkeypatch):
     x / w = 64 / 1024) as one cluster of 8 CTAs (interpret mode has 4 "SMs")
     and matches float64, the NaN tail left out."""
     from pallas_kernels.grouped_matmul import api
-    calls = []
-    orig = dec._grouped_call
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["cfg"])
-        return orig(*args, **kwargs)
-    monkeypatch.setattr(dec, "_grouped_call", spy)
+    calls = kc.spy_decode_launches(monkeypatch)
     m, k, n = 320, 128, 2048
     sizes = np.asarray([41, 37, 0, 45, 40, 38, 44, 35], np.int32)  # 280 of 320 rows
     x, (w,) = kc.grouped_inputs(11, m, k, n, len(sizes), BF16, 1)
