@@ -87,14 +87,16 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
     kc.assert_grouped_output(out, ref, sizes, kc.kernel_tol(x.dtype), _case_id(case))
 
 
-# float32 inputs on the prefill tiles (>= 128 rows per group): two bf16 planes per
-# element, so fit_smem shrinks the tiles as at K3 shapes (K = 64 = one full
-# block_k): the fused tile to 3 stages, then 2 (plan_launch: float32 on two
-# consumers, 3 stages spilled in ptxas), the plain one to block_n 128 / 2
-# stages. Sum < M with NaN tail rows; N = 128 spans two fused N-blocks.
+# float32 inputs on the prefill tiles (>= 128 rows per group; ~300 here, past
+# the decode kernel's MAX_DECODE_ROWS = 256, so the launcher keeps the
+# row-major tiles): two bf16 planes per element, so fit_smem shrinks the
+# tiles as at K3 shapes (K = 64 = one full block_k): the fused tile to 3
+# stages, then 2 (plan_launch: float32 on two consumers, 3 stages spilled in
+# ptxas), the plain one to block_n 128 / 2 stages. Sum < M with NaN tail
+# rows; N = 128 spans two fused N-blocks.
 F32_PREFILL_CASES = {
-    "fused": ((400, 64, 128, 2, "sum_lt_m", F32, True), (64, 2)),
-    "plain": ((400, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
+    "fused": ((600, 64, 128, 2, "sum_lt_m", F32, True), (64, 2)),
+    "plain": ((600, 64, 128, 2, "sum_lt_m", F32, True), (128, 2)),
 }
 
 
