@@ -122,6 +122,13 @@ def _traced_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.
         return np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
 
 
+def _first_tile_overhead(runner_T: np.ndarray, runs_T: np.ndarray, num_runners: int) -> np.ndarray:
+    """[num_runners] TILE_OVERHEAD_S for each CTA (or cluster) that runs a
+    matmul tile: a chained launch pays the tile overhead once per runner."""
+    tiles = np.bincount(runner_T, weights=runs_T, minlength=num_runners)
+    return np.where(tiles > 0, TILE_OVERHEAD_S, 0.0)
+
+
 def roofline_s(flops: float, nbytes: float, num_sms: int = H200_NUM_SMS,
                active_sms: int | None = None) -> float:
     """max(compute, memory) time on ``active_sms`` of num_sms SMs."""
@@ -199,9 +206,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     time_T = time_SW[split_T, item_T]
     cta_T = np.arange(len(time_T)) % num_sms
     cta_time = np.bincount(cta_T, weights=time_T, minlength=num_sms)
-    if no_drain:  # one first-tile overhead per CTA that runs a tile
-        cta_tiles = np.bincount(cta_T, weights=count_W[item_T] > 0, minlength=num_sms)
-        cta_time = cta_time + np.where(cta_tiles > 0, TILE_OVERHEAD_S, 0.0)
+    if no_drain:
+        cta_time = cta_time + _first_tile_overhead(cta_T, count_W[item_T] > 0, num_sms)
     busiest = float(cta_time.max())
     # Split-K: XLA reads the f32 partials and writes the output (one fusion).
     reduce_bytes = (split_k * min(m, launch.m_pad) * launch.n_pad * 4 * num_weights
@@ -282,9 +288,9 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     time_T = time_SW[split_T, item_T]
     cluster_T = np.arange(len(time_T)) % num_clusters
     cluster_time = np.bincount(cluster_T, weights=time_T, minlength=num_clusters)
-    if plan.no_drain:  # one first-tile overhead per cluster that runs a tile, as grouped_cost
-        cluster_tiles = np.bincount(cluster_T, weights=matmul_W[item_T], minlength=num_clusters)
-        cluster_time = cluster_time + np.where(cluster_tiles > 0, TILE_OVERHEAD_S, 0.0)
+    if plan.no_drain:
+        cluster_time = cluster_time + _first_tile_overhead(cluster_T, matmul_W[item_T],
+                                                           num_clusters)
     busiest = float(cluster_time.max())
     # XLA gathers y from the tiles: reads each row's column (of every K range's
     # f32 partials with split-K) and writes y.
