@@ -71,6 +71,9 @@ MAX_BLOCK_T = 256  # WGMMA N limit
 # thread cap block_t at 128 / 256 for 128-wide / 64-wide weight columns).
 MAX_DECODE_ROWS = MAX_BLOCK_T
 CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs a cluster (portable Hopper cluster sizes)
+# TMA needs a 16-byte row pitch: the weights' N (2-byte planes) is padded to
+# a multiple of 8 only where it is not one already (never for the K3 shapes).
+W_N_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +146,8 @@ class DecodePlan:
     planes: int
     x_rows: int  # rows of the padded x (>= block_t, a multiple of 8)
     k_pad: int
-    n_pad: int
+    n_pad: int  # output rows: whole superblocks of cluster x block_w columns
+    w_cols: int  # weight columns the kernel reads (n rounded up to W_N_ALIGN; not n_pad)
     num_items: int  # W: columns of the work-item table (the static bound)
 
     @property
@@ -202,6 +206,7 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
                       k_pad=mosaic_sm90._round_up(k, block_k),
                       n_pad=mosaic_sm90._round_up(n, cfg.cluster * cfg.block_w),
+                      w_cols=mosaic_sm90._round_up(n, W_N_ALIGN),
                       num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t))
     smem = cfg.smem_bytes(num_weights, 2 * planes, out_bytes)
     if smem > mosaic_sm90.SMEM_LIMIT - mosaic_sm90._SMEM_RESERVE:
@@ -385,8 +390,10 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
     pad = mosaic_sm90._pad_axis
     x_planes = mosaic_sm90._to_planes(pad(pad(x_MK, 0, plan.x_rows), 1, plan.k_pad),
                                       in_dtype, planes)
+    # N is not padded to n_pad: N-blocks past n read TMA's zero fill (only a
+    # row pitch TMA cannot take, n not a multiple of W_N_ALIGN, is padded).
     w_planes = [p for w in w_GKNs
-                for p in mosaic_sm90._to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.n_pad),
+                for p in mosaic_sm90._to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.w_cols),
                                                 in_dtype, planes)]
     meta_4W = mosaic_sm90.schedule(group_sizes_G, m, cfg.block_t)
     if split_k > 1:
