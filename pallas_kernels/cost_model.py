@@ -367,7 +367,7 @@ def decode_candidates(m: int, n: int, num_groups: int,
         for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
             cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
                                                   block_t=block_t)
-            if cfg.acc_registers(num_weights) > 128:
+            if cfg.acc_registers(num_weights) > 128 or n % cfg.block_w:
                 continue
             tilings.append(cfg)
             if (block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w or wgs == 1
