@@ -27,8 +27,12 @@ it to all C (BlockSpec collective_axes, the pipeline's "consumed" barrier
 becomes a ClusterBarrier), so the x bytes a tile loads are block_t /
 (num_w x block_w x C) of its weight bytes. The grid is num_ctas // C
 clusters; every CTA of a cluster walks the same tiles (the multicast and
-the cluster barriers need all C in each pipeline), so N is padded to whole
-superblocks, and Mosaic must be able to split the x tile over C
+the cluster barriers need all C in each pipeline), so the output has whole
+superblocks (n_pad rows). The weights are not padded: where C x block_w
+does not divide N, the N-blocks of the last superblock that lie partly or
+wholly past N read TMA's out-of-bounds zero fill (GPU interpret mode fills
+the same zeros), run their K loop on it and store rows past N that XLA
+never reads. Mosaic must be able to split the x tile over C
 (multicast_splits: block_t / 8 a multiple of C, or 8 / 16 tokens cut
 inside the 8-row tiles; an odd block_t / 8 never splits). C = 1 launches
 no cluster.
@@ -194,8 +198,9 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] decode launch
     (what the launcher runs; cost_model.decode_cost replays it). With
     cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
-    at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 N is
-    padded to whole superblocks of C N-blocks and the x tile must split over
+    at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 the
+    output has whole superblocks of C N-blocks (n_pad; the weights keep N
+    columns, read past N as zero fill) and the x tile must split over
     the C CTAs (multicast_splits) (ValueError otherwise)."""
     planes = mosaic_sm90.num_planes(in_dtype)
     block_k = (mosaic_sm90._fit_block(k, cfg.block_k, mosaic_sm90._MIN_BLOCK)
