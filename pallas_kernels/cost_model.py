@@ -263,8 +263,8 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
 
     matmul_W = (count_W > 0) & (group_W >= 0)
-    # In-bounds weight columns of each N-block (the last superblock may overhang N).
-    cols_B = np.clip(n - np.arange(n_blocks) * cfg.block_w, 0, cfg.block_w)
+    # The in-bounds fraction of each N-block's columns (the last superblock may overhang N).
+    in_bounds_B = np.clip(n - np.arange(n_blocks) * cfg.block_w, 0, cfg.block_w) / cfg.block_w
     flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * cfg.block_k
                                            * 2 * num_weights * products, 0)
     # x: a CTA tile's share of the multicast x tile.
@@ -275,7 +275,6 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     o_SW = np.broadcast_to(np.where(matmul_W, cfg.block_w * cfg.block_t * tile_out_bytes, 0),
                            x_SW.shape)
     first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
-    in_bounds_B = cols_B / cfg.block_w
     # [S, W, B]: CTA tile (K range, item, N-block).
     hbm_SWB = (np.where(first_W, w_SW, 0)[:, :, None] * in_bounds_B
                + (x_SW * cluster / n_blocks + o_SW)[:, :, None])
@@ -348,8 +347,8 @@ def decode_candidates(m: int, n: int, num_groups: int,
     overhangs N (the kernel reads zero fill past N, no weight padding) and
     its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
     x block_w x C) x n_pad / N); decode_cost charges their tiles. In the
-    model a larger cluster only costs (idle SMs when C does not divide num_sms, fewer and
-    coarser cluster tiles). Clusters only with two consumers of <= 128
+    model a larger cluster only costs (idle SMs when C does not divide
+    num_sms, fewer and coarser cluster tiles). Clusters only with two consumers of <= 128
     accumulator columns (num_weights x wg_block_w) each: ptxas for sm_90a
     (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
     tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster

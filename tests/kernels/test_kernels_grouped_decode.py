@@ -4,10 +4,11 @@ in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
 (CTA clusters included; their interpret cases: test_kernels_grouped_decode_cluster.py), and
 the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 
-Measured on the 2-core host, nothing else running: the whole file ~140 s
-(the ptxas test 76 s: the launcher's choice for 18 sweep rows, then one
-compile per distinct tiling, clusters included; the model test 16 s after
-it (the choice is cached), 35 s alone; the interpret cases 31 s).
+Measured on the 2-core host, nothing else running: the whole file ~165 s
+(the ptxas test 104 s: the launcher's choice for 18 sweep rows and the lean
+candidate of the 6 X_TARGET_SLOWER rows, then one compile per distinct
+tiling, clusters and overhanging N included; the model test 10 s after it
+(the choices are cached), 42 s alone; the interpret cases 31 s).
 """
 
 from __future__ import annotations

@@ -3,10 +3,13 @@ not dividing N): the weights are not padded, the N-blocks past N read TMA's
 out-of-bounds zero fill (GPU interpret mode fills the same zeros), in
 interpret mode vs a float64 numpy loop; the launcher's jaxpr has no pad of
 a weight; the cost model charges the overhanging CTAs' tiles but counts
-only the in-bounds weight bytes and flops.
+only the in-bounds weight bytes and flops. (Columns past N only feed
+output rows past N, which XLA drops: what the interpret cases check is the
+partly in-bounds N-block and that the overhanging copies are accepted,
+where interpret mode raises IndexError on an out-of-bounds copy it cannot fill.)
 
-The sm_90a ptxas compile (0 spills) of the overhanging tilings the launcher
-picks for the sweep's down rows is test_kernels_grouped_decode.py's
+The sm_90a ptxas compile (0 spills) of the overhanging x-lean tilings of
+the sweep's down rows (X_TARGET_SLOWER) is test_kernels_grouped_decode.py's
 test_launcher_decode_tiles_compile_for_sm90a_without_spills.
 
 Measured on the 2-core host, nothing else running: the whole file ~40 s
@@ -15,7 +18,6 @@ Measured on the 2-core host, nothing else running: the whole file ~40 s
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
