@@ -156,6 +156,16 @@ CASES: list[Case] = [
     Case("matmul", 1024, 1024, 4096, 64, "uniform", BF16,
          decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=32,
                                                 num_ctas=8, cluster=4)),
+    # ...whose last cluster group overhangs N (weights not padded: TMA zero fill
+    # past N): down's N = 3584 in superblocks of 8 x 128 (4 of 32 N-blocks
+    # wholly past N; the sweep's down EP 32 x 64-token x-lean tiling), and
+    # float32 N = 448 in 4 x 128 (the last N-block half past N)
+    Case("matmul", 1024, 1024, 3584, 28, "uniform", BF16,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=64,
+                                                cluster=8)),
+    Case("situ_glu", 120, 512, 448, 8, "sum_lt_m", F32,
+         decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16,
+                                                cluster=4)),
 ]
 
 

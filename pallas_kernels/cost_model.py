@@ -245,7 +245,13 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     the C x clusters CTAs share the bandwidth of all num_sms SMs (SMs left
     idle when C does not divide num_sms are charged, as in the SM fill).
     A launch whose tiles chain (plan.no_drain) pays TILE_OVERHEAD_S once per
-    cluster, as grouped_cost's."""
+    cluster, as grouped_cost's.
+
+    A last superblock that overhangs N (n_pad > N: the kernel reads the
+    columns past N as TMA zero fill) counts only its in-bounds columns as
+    weight HBM bytes and flops, but its CTAs still run the whole K loop
+    (x multicast share, WGMMAs on zeros): a cluster tile takes its slowest
+    CTA's time."""
     sizes = np.asarray(group_sizes_G, np.int64)
     plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg, planes = plan.cfg, plan.planes
@@ -265,6 +271,8 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
 
     matmul_W = (count_W > 0) & (group_W >= 0)
+    # The in-bounds fraction of each N-block's columns (the last superblock may overhang N).
+    in_bounds_B = np.clip(n - np.arange(n_blocks) * cfg.block_w, 0, cfg.block_w) / cfg.block_w
     flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * cfg.block_k
                                            * 2 * num_weights * products, 0)
     # x: a CTA tile's share of the multicast x tile.
@@ -275,17 +283,23 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     o_SW = np.broadcast_to(np.where(matmul_W, cfg.block_w * cfg.block_t * tile_out_bytes, 0),
                            x_SW.shape)
     first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
-    hbm_SW = np.where(first_W, w_SW, 0) + x_SW * cluster / n_blocks + o_SW
+    # [S, W, B]: CTA tile (K range, item, N-block).
+    hbm_SWB = (np.where(first_W, w_SW, 0)[:, :, None] * in_bounds_B
+               + (x_SW * cluster / n_blocks + o_SW)[:, :, None])
     tile_overhead = 0.0 if plan.no_drain else TILE_OVERHEAD_S
-    time_SW = np.where(matmul_W, np.maximum(flops_SW / (DENSE_BF16_FLOPS / num_sms),
-                                            hbm_SW / (COPY_BYTES_PER_S / num_sms))
-                       + tile_overhead, 0.0)
+    time_SWB = np.where(matmul_W[None, :, None],
+                        np.maximum(flops_SW[:, :, None] / (DENSE_BF16_FLOPS / num_sms),
+                                   hbm_SWB / (COPY_BYTES_PER_S / num_sms))
+                        + tile_overhead, 0.0)
     # The kernel's item-major loop over cluster tiles (item, superblock, K
-    # range); the C CTAs of a cluster run its C tiles side by side.
+    # range); the C CTAs of a cluster run its C tiles side by side, the
+    # cluster tile as long as its slowest CTA's.
     supers = n_blocks // cluster
+    time_SWU = time_SWB.reshape(split_k, num_items, supers, cluster).max(axis=3)
     item_T = np.repeat(np.arange(num_items), supers * split_k)
+    super_T = np.tile(np.repeat(np.arange(supers), split_k), num_items)
     split_T = np.tile(np.arange(split_k), num_items * supers)
-    time_T = time_SW[split_T, item_T]
+    time_T = time_SWU[split_T, item_T, super_T]
     cluster_T = np.arange(len(time_T)) % num_clusters
     cluster_time = np.bincount(cluster_T, weights=time_T, minlength=num_clusters)
     if plan.no_drain:
@@ -301,12 +315,13 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     return KernelCost(
         tiles=matmul_items * n_blocks * split_k,
         sm_fill=float(cluster * cluster_time.sum() / (num_sms * busiest)) if busiest else 0.0,
-        weight_bytes=float(w_SW.sum() * n_blocks), x_bytes=float(x_SW.sum() * n_blocks),
+        weight_bytes=float(w_SW.sum() * in_bounds_B.sum()),
+        x_bytes=float(x_SW.sum() * n_blocks),
         out_bytes=float(o_SW.sum() * n_blocks + assemble_bytes),
         weight_reads_per_active_expert=float(matmul_items / active) if active else 0.0,
         rows_computed_per_useful_row=(float(matmul_items * cfg.block_t / useful_rows)
                                       if useful_rows else 0.0),
-        flops=float(flops_SW.sum() * n_blocks),
+        flops=float(flops_SW.sum() * in_bounds_B.sum()),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
         config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode",
                 "no_drain": plan.no_drain})
@@ -336,14 +351,17 @@ def decode_candidates(m: int, n: int, num_groups: int,
                       num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
     """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
     rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths
-    whose accumulators take <= 128 registers a thread and divide N (no weight
-    padding); empty above MAX_DECODE_ROWS. Each tiling unclustered and, where
+    whose accumulators take <= 128 registers a thread and divide N; empty
+    above MAX_DECODE_ROWS. Each tiling unclustered and, where
     its x tile is over DECODE_X_OVER_W of its weight tiles, in the smallest
     cluster C that brings it under, with the token tile raised (in steps of
-    8) to the first one whose x tile splits over C CTAs (C x block_w
-    dividing N, accumulators still <= 128 registers): in the model a larger
-    cluster only costs (idle SMs when C does not divide num_sms, fewer and
-    coarser cluster tiles). Clusters only with two consumers of <= 128
+    8) to the first one whose x tile splits over C CTAs (accumulators still
+    <= 128 registers). C x block_w need not divide N: the last superblock
+    overhangs N (the kernel reads zero fill past N, no weight padding) and
+    its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
+    x block_w x C) x n_pad / N); decode_cost charges their tiles. In the
+    model a larger cluster only costs (idle SMs when C does not divide
+    num_sms, fewer and coarser cluster tiles). Clusters only with two consumers of <= 128
     accumulator columns (num_weights x wg_block_w) each: ptxas for sm_90a
     (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
     tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster
@@ -371,8 +389,10 @@ def decode_candidates(m: int, n: int, num_groups: int,
                 t = next(t for t in range(block_t, mosaic_sm90_decode.MAX_BLOCK_T + 1, 8)
                          if mosaic_sm90_decode.multicast_splits(t, 64, c))
                 clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
-                if (n % (c * cfg.block_w) == 0 and clustered.acc_registers(num_weights) <= 128
-                        and t <= DECODE_X_OVER_W * num_weights * cfg.block_w * c):
+                # x / w of the launch: the overhanging CTAs load their x shares too.
+                n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
+                if (clustered.acc_registers(num_weights) <= 128
+                        and t * n_pad <= DECODE_X_OVER_W * num_weights * cfg.block_w * c * n):
                     tilings.append(clustered)
                     break
     return [dataclasses.replace(cfg, split_k=s) for cfg in dict.fromkeys(tilings)

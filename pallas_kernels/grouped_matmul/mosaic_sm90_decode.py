@@ -27,8 +27,12 @@ it to all C (BlockSpec collective_axes, the pipeline's "consumed" barrier
 becomes a ClusterBarrier), so the x bytes a tile loads are block_t /
 (num_w x block_w x C) of its weight bytes. The grid is num_ctas // C
 clusters; every CTA of a cluster walks the same tiles (the multicast and
-the cluster barriers need all C in each pipeline), so N is padded to whole
-superblocks, and Mosaic must be able to split the x tile over C
+the cluster barriers need all C in each pipeline), so the output has whole
+superblocks (n_pad rows). The weights are not padded: where C x block_w
+does not divide N, the N-blocks of the last superblock that lie partly or
+wholly past N read TMA's out-of-bounds zero fill (GPU interpret mode fills
+the same zeros), run their K loop on it and store rows past N that XLA
+never reads. Mosaic must be able to split the x tile over C
 (multicast_splits: block_t / 8 a multiple of C, or 8 / 16 tokens cut
 inside the 8-row tiles; an odd block_t / 8 never splits). C = 1 launches
 no cluster.
@@ -71,6 +75,9 @@ MAX_BLOCK_T = 256  # WGMMA N limit
 # thread cap block_t at 128 / 256 for 128-wide / 64-wide weight columns).
 MAX_DECODE_ROWS = MAX_BLOCK_T
 CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs a cluster (portable Hopper cluster sizes)
+# TMA needs a 16-byte row pitch: the weights' N (2-byte planes) is padded to
+# a multiple of 8 only where it is not one already (never for the K3 shapes).
+W_N_ALIGN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +150,8 @@ class DecodePlan:
     planes: int
     x_rows: int  # rows of the padded x (>= block_t, a multiple of 8)
     k_pad: int
-    n_pad: int
+    n_pad: int  # output rows: whole superblocks of cluster x block_w columns
+    w_cols: int  # weight columns the kernel reads (n rounded up to W_N_ALIGN; not n_pad)
     num_items: int  # W: columns of the work-item table (the static bound)
     no_drain: bool  # a CTA's tiles chain their pipelines (mosaic_sm90.no_drain_stages)
     approx_math: bool  # bf16 / f16 output (no split-K): approximate tanh / exp
@@ -192,8 +200,9 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] decode launch
     (what the launcher runs; cost_model.decode_cost replays it). With
     cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
-    at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 N is
-    padded to whole superblocks of C N-blocks and the x tile must split over
+    at least max_concurrent_steps K steps, and with cfg.cluster = C > 1 the
+    output has whole superblocks of C N-blocks (n_pad; the weights keep N
+    columns, read past N as zero fill) and the x tile must split over
     the C CTAs (multicast_splits) (ValueError otherwise). As in
     mosaic_sm90.plan_launch, a stage count in [3, fitted] that divides every
     K range's steps chains each CTA's tiles without draining (no_drain)."""
@@ -212,6 +221,7 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
                       k_pad=k_pad,
                       n_pad=mosaic_sm90._round_up(n, cfg.cluster * cfg.block_w),
+                      w_cols=mosaic_sm90._round_up(n, W_N_ALIGN),
                       num_items=mosaic_sm90.num_work_items(m, num_groups, cfg.block_t),
                       no_drain=bool(stages),
                       approx_math=cfg.split_k == 1 and jnp.dtype(out_dtype).itemsize == 2)
@@ -436,8 +446,10 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: DecodeConfig, i
     pad = mosaic_sm90._pad_axis
     x_planes = mosaic_sm90._to_planes(pad(pad(x_MK, 0, plan.x_rows), 1, plan.k_pad),
                                       in_dtype, planes)
+    # N is not padded to n_pad: N-blocks past n read TMA's zero fill (only a
+    # row pitch TMA cannot take, n not a multiple of W_N_ALIGN, is padded).
     w_planes = [p for w in w_GKNs
-                for p in mosaic_sm90._to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.n_pad),
+                for p in mosaic_sm90._to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.w_cols),
                                                 in_dtype, planes)]
     meta_4W = mosaic_sm90.schedule(group_sizes_G, m, cfg.block_t)
     if split_k > 1:

@@ -93,6 +93,10 @@ def test_cases_cover_what_the_benchmark_sweep_does_not():
     clustered = [c for c in decode if c.decode.cluster > 1]  # x multicast over a CTA cluster
     assert {c.decode.cluster for c in clustered} >= {2, 4}
     assert any(c.decode.split_k > 1 and c.dtype == checks.F32 for c in clustered)
+    # the last cluster group overhangs N (TMA zero fill past N), wholly and partly
+    overhang = [c.n % (c.decode.cluster * c.decode.block_w) for c in clustered]
+    assert any(o and o % c.decode.block_w == 0 for o, c in zip(overhang, clustered))
+    assert any(o % c.decode.block_w for o, c in zip(overhang, clustered))
     assert any(c.decode.num_ctas and c.k >= 1024 for c in clustered)
 
 

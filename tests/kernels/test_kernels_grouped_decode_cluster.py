@@ -37,8 +37,9 @@ DecodeConfig = dec.DecodeConfig
 # sum(sizes) in every case. 1: 2 clusters of 2 walk 5 items x 4 superblocks
 # (the persistent loop, the cluster barriers' phases across tiles). 2: a
 # cluster of 4 with split-K (two K-range lengths), one cluster for all the
-# tiles. 3: bf16x3 float32 (two multicast x planes), N = 192 padded to whole
-# superblocks of 2 x 64 columns, 3 CTAs = 1 cluster of 2 and an idle CTA.
+# tiles. 3: bf16x3 float32 (two multicast x planes), N = 192 in superblocks
+# of 2 x 128 columns (the last one overhangs N: zero fill, no weight padding),
+# 3 CTAs = 1 cluster of 2 and an idle CTA.
 CASES = [
     (40, 320, 512, [7, 0, 13, 1, 0], BF16,
      DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
@@ -87,6 +88,7 @@ def test_cluster_plan_pads_n_to_whole_superblocks():
     plan = dec.plan_launch(24, 128, 192, 4, 1, BF16, BF16,
                            DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=4))
     assert plan.n_pad == 256 and plan.num_n_blocks == 4
+    assert plan.w_cols == 192  # the weights are not padded: N-block 3 reads zero fill
     assert plan.num_cluster_tiles == plan.num_items  # one superblock, no split-K
 
 
@@ -132,20 +134,24 @@ def test_candidates_add_the_smallest_cluster_that_meets_the_x_target():
     """gate_up (2 weights, N 3072) at ~18 rows a group: the 40-token tile of
     two 64-wide consumers has x / w = 40 / 256; 40 splits over no cluster, so
     it is raised to 48 tokens in a cluster of 2 (48 / (256 x 2) = 0.094 <=
-    0.10). Every clustered candidate meets the target, its smaller cluster
-    would not (or could not split x, or divide N), and it has two consumers
-    of <= 128 accumulator columns."""
-    cands = cost_model.decode_candidates(1024, 3072, 56, 2)
+    0.10). Every clustered candidate meets the target counting the x shares
+    of CTAs past N (x / w x n_pad / N), its smaller cluster would not (or
+    could not split x), and it has two consumers of <= 128 accumulator columns."""
+    n = 3072
+
+    def x_over_w(c, cluster):
+        n_pad = -(-n // (c.block_w * cluster)) * c.block_w * cluster
+        return c.block_t / (2 * c.block_w * cluster) * n_pad / n
+    cands = cost_model.decode_candidates(1024, n, 56, 2)
     clustered = {(c.num_compute_wgs, c.wg_block_w, c.block_t, c.cluster)
                  for c in cands if c.cluster > 1}
     assert (2, 64, 48, 2) in clustered
     for c in cands:
         if c.cluster > 1:
-            assert c.block_t / (2 * c.block_w * c.cluster) <= cost_model.DECODE_X_OVER_W, c
-            assert c.block_t / (2 * c.block_w * c.cluster // 2) > cost_model.DECODE_X_OVER_W \
-                or not dec.multicast_splits(c.block_t, 64, c.cluster // 2) \
-                or 3072 % (c.block_w * c.cluster // 2), c
-            assert 3072 % (c.block_w * c.cluster) == 0 and c.acc_registers(2) <= 128, c
+            assert x_over_w(c, c.cluster) <= cost_model.DECODE_X_OVER_W, c
+            assert x_over_w(c, c.cluster // 2) > cost_model.DECODE_X_OVER_W \
+                or not dec.multicast_splits(c.block_t, 64, c.cluster // 2), c
+            assert c.acc_registers(2) <= 128, c
             assert c.num_compute_wgs == 2 and 2 * c.wg_block_w <= 128, c
 
 
