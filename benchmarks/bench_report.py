@@ -79,6 +79,27 @@ def _status(row: dict) -> str | None:
     return None
 
 
+def describe_tiles(config: dict) -> str:
+    """A launch's tiles in words, from a cost-model config dict: "decode 2x64,
+    t64, S1, 4 st., cluster 4, chained" (consumer warpgroups x weight columns,
+    token tile, split-K, stages) or "row-major 1x64 x 128, chained" (warpgroups
+    x rows x N)."""
+    if config["kernel"] == "mosaic_sm90_decode":
+        words = [f"decode {config['num_compute_wgs']}x{config['wg_block_w']}",
+                 f"t{config['block_t']}", f"S{config['split_k']}",
+                 f"{config['max_concurrent_steps']} st."]
+        if config["cluster"] > 1:
+            words.append(f"cluster {config['cluster']}")
+    else:
+        words = [f"{config['kernel'].removeprefix('mosaic_sm90').strip('_') or 'row-major'} "
+                 f"{config['num_compute_wgs']}x{config['wg_block_m']} x {config['block_n']}"]
+        if config["split_k"] > 1:
+            words.append(f"S{config['split_k']}")
+    if config.get("no_drain"):
+        words.append("chained")
+    return ", ".join(words)
+
+
 def format_grouped_row(r: dict) -> str:
     head = f"{r['op']:<13} ep={r['ep']:<3} E={r['local_experts']:<4} tokens={r['tokens']:<6}"
     if (status := _status(r)) is not None:
@@ -89,7 +110,8 @@ def format_grouped_row(r: dict) -> str:
             f" | xla {_fmt(r, 'xla', 'us', '10.1f')} us ({_fmt(r, 'xla', 'pct_dense', '4.1f')}%)"
             f" | x{r.get('speedup', float('nan')):.2f}" + (f" | weights {bw}" if r["small"] else "")
             + (f" | jax mosaic {_fmt(r, 'jax_mosaic', 'us', '.1f')} us" if "jax_mosaic" in r else "")
-            + (f" | triton {_fmt(r, 'triton', 'us', '.1f')} us" if "triton" in r else ""))
+            + (f" | triton {_fmt(r, 'triton', 'us', '.1f')} us" if "triton" in r else "")
+            + (f" | x-lean {_fmt(r, 'x_lean', 'us', '.1f')} us" if "x_lean" in r else ""))
 
 
 def format_mlp_row(r: dict) -> str:
@@ -138,7 +160,7 @@ def to_markdown(result: dict) -> str:
     lines += _table(
         ["op", "EP", "local experts", "tokens", "rows", "kernel us", "XLA us", "speedup",
          "kernel % dense", "XLA % dense", "kernel weight TB/s (% copy)", "jax Mosaic ragged_dot us",
-         "Triton us"],
+         "Triton us", "x-lean decode us"],
         [[r["op"], r["ep"], r["local_experts"], r["tokens"], r["rows"]] for r in grouped],
         [_status(r) or [
             _fmt(r, "kernel", "us", ".1f"), _fmt(r, "xla", "us", ".1f"),
@@ -147,7 +169,8 @@ def to_markdown(result: dict) -> str:
             (f"{r['kernel']['weight_tbps']:.2f} ({r['kernel']['pct_copy']:.0f}%)"
              if r["small"] else ""),
             _fmt(r, "jax_mosaic", "us", ".1f") if r["op"] == "down" else "",
-            _fmt(r, "triton", "us", ".1f") if "triton" in r else ""] for r in grouped])
+            _fmt(r, "triton", "us", ".1f") if "triton" in r else "",
+            _fmt(r, "x_lean", "us", ".1f") if "x_lean" in r else ""] for r in grouped])
     lines.append("")
     mlp = result["mlp"]
     lines += _table(

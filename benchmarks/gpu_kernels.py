@@ -72,7 +72,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_mxfp4 import run_mxfp4
-from bench_report import Results, format_grouped_row, format_mlp_row, write_atomically
+from bench_report import Results, describe_tiles, format_grouped_row, format_mlp_row, write_atomically
 from bench_timing import TIMERS, pick_timing, time_all
 
 from pallas_kernels import (
@@ -84,11 +84,13 @@ from pallas_kernels import (
     situ_mlp_up,
 )
 from pallas_kernels import peers as peers_lib
-from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul import mosaic_sm90_decode, reference
 from pallas_kernels.mxfp4 import Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
+# Issue 12's decode range: x <= 10% of the weight bytes at 16 to 256 tokens.
+X_TARGET_MAX_TOKENS = 256
 CHECK_TOL = 1e-2  # bf16 in / bf16 out vs the XLA reference, max-abs relative (bf16 u = 3.9e-3)
 DTYPE = jnp.bfloat16
 
@@ -535,6 +537,8 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
                 peers["jax_mosaic"] = jax_mosaic_ragged_dot(case)
             if with_triton:
                 peers["triton"] = case.fn("triton")
+            if (lean := x_lean_config(case, sizes_np)) is not None:
+                peers["x_lean"] = decode_fn(case, lean)
         # MXFP4 rows: the Triton kernel is the kernel; 0.53125 B per weight element
         kernel_fn = case.fn("triton" if case.mxfp4 else sweep.kernel_backend)
         row = sweep.measure(
@@ -604,11 +608,45 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
     return routed_group_sizes(case.rows, case.local_experts, seed=case.tokens + case.ep)
 
 
+def x_lean_config(case: GroupedCase,
+                  sizes: np.ndarray) -> mosaic_sm90_decode.DecodeConfig | None:
+    """The decode tiling timed beside the launcher's where, at up to
+    X_TARGET_MAX_TOKENS tokens, the launcher's loads x over
+    cost_model.DECODE_X_OVER_W of its weight bytes on this routing
+    (cost_model.x_lean_candidate; None if the launcher's meets it, or no
+    tiling does, or the weights are MXFP4)."""
+    if case.mxfp4 or case.tokens > X_TARGET_MAX_TOKENS:
+        return None
+    pick = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
+    if pick.x_bytes_over_weight_bytes <= cost_model.DECODE_X_OVER_W:
+        return None
+    lean = cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
+                                       case.num_weights)
+    return None if lean is None else lean.config
+
+
+def decode_fn(case: GroupedCase, config: mosaic_sm90_decode.DecodeConfig) -> Callable:
+    """The decode kernel with a fixed tiling, as case.fn's signature."""
+    if case.op == "gate_up_situ":
+        return lambda x, w1, w3, s: mosaic_sm90_decode.grouped_situ_glu(
+            x, w1, w3, s, config=config, **SITU)
+    return lambda x, w, s: mosaic_sm90_decode.grouped_matmul(x, w, s, config=config)
+
+
 def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     """The cost model's prediction for one grouped row (the kernel and tiles
-    the launcher picks, named in its config), with the targets' ratios."""
+    the launcher picks, named in its config), with the targets' ratios; where
+    x_lean_config gives a tiling, "x_lean" is its prediction on the same
+    routing (config, predicted_us, x / w, weight reads, SM fill)."""
     cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights,
                                   mxfp4=case.mxfp4)
+    lean = x_lean_config(case, sizes)
+    if lean is not None:
+        lean_cost = cost_model.decode_cost(sizes, case.rows, case.k, case.n, case.num_weights,
+                                           config=lean)
+        x_lean = {key: lean_cost.fields()[key] for key in (
+            "config", "predicted_us", "x_bytes_over_weight_bytes",
+            "weight_reads_per_active_expert", "sm_fill")}
     active = int(np.count_nonzero(sizes))
     useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
     # MXFP4 rows: the packed bytes (0.53125 B per parameter) are the weight traffic
@@ -619,7 +657,8 @@ def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     return {**cost.fields(),
             "pct_dense": 100 * useful_flops / seconds / cost_model.DENSE_BF16_FLOPS,
             "pct_copy": 100 * weight_bytes / seconds / cost_model.COPY_BYTES_PER_S,
-            "xla_ragged_dot_dense_us": xla_s * 1e6, "speedup_vs_xla_dense": xla_s / seconds}
+            "xla_ragged_dot_dense_us": xla_s * 1e6, "speedup_vs_xla_dense": xla_s / seconds,
+            **({} if lean is None else {"x_lean": x_lean})}
 
 
 def model_mlp(case: MlpCase) -> dict:
@@ -658,6 +697,12 @@ def print_model(model: dict) -> None:
               f"{r['sm_fill']:>6.2f}{r['weight_reads_per_active_expert']:>7.3f}"
               f"{r['x_bytes_over_weight_bytes']:>7.3f}{r['rows_computed_per_useful_row']:>6.2f}"
               f"{r['predicted_us']:>9.1f}  {vs:.2f}x")
+        if "x_lean" in r:
+            lean = r["x_lean"]
+            print(f"{'  x-lean tiling':<41}{lean['sm_fill']:>6.2f}"
+                  f"{lean['weight_reads_per_active_expert']:>7.3f}"
+                  f"{lean['x_bytes_over_weight_bytes']:>7.3f}{'':>6}{lean['predicted_us']:>9.1f}"
+                  f"  {describe_tiles(lean['config'])}")
 
 
 def lower_all(plan: Plan) -> int:

@@ -333,6 +333,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 # predictions by ~1 / tiles-per-SM (a few %), and its roofline does not
 # credit the L2 -> SMEM x traffic the lean tilings save.
 DECODE_X_OVER_W = 0.10
+DECODE_MAX_READS = 1.05  # weight reads per active expert (issue 12)
 DECODE_TIE = 0.02
 DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
 PROXY_DRAWS = 16
@@ -355,8 +356,10 @@ def decode_candidates(m: int, n: int, num_groups: int,
     above MAX_DECODE_ROWS. Each tiling unclustered and, where
     its x tile is over DECODE_X_OVER_W of its weight tiles, in the smallest
     cluster C that brings it under, with the token tile raised (in steps of
-    8) to the first one whose x tile splits over C CTAs (accumulators still
-    <= 128 registers). C x block_w need not divide N: the last superblock
+    8) to the first one whose x tile splits over C CTAs (accumulators <=
+    MAX_CLUSTER_ACC_REGISTERS = 192 registers: the clustered kernel's
+    producer then keeps 24, mosaic_sm90_decode.memory_registers). C x
+    block_w need not divide N: the last superblock
     overhangs N (the kernel reads zero fill past N, no weight padding) and
     its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
     x block_w x C) x n_pad / N); decode_cost charges their tiles. In the
@@ -365,8 +368,7 @@ def decode_candidates(m: int, n: int, num_groups: int,
     accumulator columns (num_weights x wg_block_w) each: ptxas for sm_90a
     (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
     tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster
-    2); two of 2 x 64 columns at 32-128 tokens, clusters 2-8, did not (with
-    mosaic_sm90_decode's 80-register producer)."""
+    2); two of 2 x 64 columns at 32-192 tokens, clusters 2-8, did not."""
     rows = mosaic_sm90_decode.expected_rows(m, num_groups)
     if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
         return []
@@ -374,14 +376,17 @@ def decode_candidates(m: int, n: int, num_groups: int,
     low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
                                 mosaic_sm90.X_ROW_ALIGN)
     high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
+    max_acc = mosaic_sm90_decode.MAX_ACC_REGISTERS
+    max_cluster_acc = mosaic_sm90_decode.MAX_CLUSTER_ACC_REGISTERS
     tilings = []
     for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
         for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
             cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
                                                   block_t=block_t)
-            if cfg.acc_registers(num_weights) > 128 or n % cfg.block_w:
+            if n % cfg.block_w or cfg.acc_registers(num_weights) > max_cluster_acc:
                 continue
-            tilings.append(cfg)
+            if cfg.acc_registers(num_weights) <= max_acc:
+                tilings.append(cfg)
             if (block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w or wgs == 1
                     or num_weights * wg_w > 128):
                 continue
@@ -391,7 +396,7 @@ def decode_candidates(m: int, n: int, num_groups: int,
                 clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
                 # x / w of the launch: the overhanging CTAs load their x shares too.
                 n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
-                if (clustered.acc_registers(num_weights) <= 128
+                if (clustered.acc_registers(num_weights) <= max_cluster_acc
                         and t * n_pad <= DECODE_X_OVER_W * num_weights * cfg.block_w * c * n):
                     tilings.append(clustered)
                     break
@@ -399,48 +404,88 @@ def decode_candidates(m: int, n: int, num_groups: int,
             for s in DECODE_SPLITS]
 
 
+@dataclasses.dataclass(frozen=True)
+class CandidateCost:
+    """One launch candidate of a grouped product, costed on every
+    proxy_group_sizes draw."""
+
+    config: mosaic_sm90_decode.DecodeConfig | None  # None: mosaic_sm90's row-major tiles
+    mean_us: float  # mean predicted time over the draws
+    worst_x_over_w: float  # the largest x bytes / weight bytes of a draw
+    worst_reads: float  # the most weight reads per active expert of a draw
+
+    @property
+    def meets_decode_targets(self) -> bool:
+        """x <= DECODE_X_OVER_W of the weight bytes and <= DECODE_MAX_READS
+        weight reads per active expert on every draw (issue 12's targets)."""
+        return self.worst_x_over_w <= DECODE_X_OVER_W and self.worst_reads <= DECODE_MAX_READS
+
+
+@functools.lru_cache(maxsize=256)
+def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
+                    dtype_name: str = "bfloat16",
+                    num_sms: int = H200_NUM_SMS) -> tuple[CandidateCost, ...]:
+    """The row-major tiles (first) and every decode_candidates tiling that
+    fits (K ranges at least the pipeline, SMEM), each over the proxy draws:
+    each candidate's time is its mean over them (the SM fill of a few
+    hundred tiles jumps by up to 1 / tiles-per-SM with the item count, so one
+    draw decides little)."""
+    dtype = jnp.dtype(dtype_name)
+    draws = proxy_group_sizes(m, num_groups)
+
+    def over_draws(config, cost_fn) -> CandidateCost:
+        costs = [cost_fn(sizes) for sizes in draws]
+        return CandidateCost(config, float(np.mean([c.predicted_us for c in costs])),
+                             max(c.x_bytes_over_weight_bytes for c in costs),
+                             max(c.weight_reads_per_active_expert for c in costs))
+
+    with mosaic_sm90.host_eval():
+        costs = [over_draws(None, lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
+                                                         num_sms=num_sms))]
+        for cfg in decode_candidates(m, n, num_groups, num_weights):
+            try:
+                costs.append(over_draws(cfg, lambda s, cfg=cfg: decode_cost(
+                    s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)))
+            except ValueError:  # K ranges shorter than the pipeline, or SMEM overflow
+                continue
+    return tuple(costs)
+
+
 @functools.lru_cache(maxsize=256)
 def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
                         dtype_name: str = "bfloat16",
                         num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
     """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
-    or None for mosaic_sm90's row-major default tiles. Each candidate's
-    time is its mean over proxy_group_sizes' draws (the SM fill of a few
-    hundred tiles jumps by up to 1 / tiles-per-SM with the item count, so one
-    draw decides little). The fastest decode tiling that
-    keeps x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads
-    per active expert, and is within DECODE_TIE of the row-major tiles, wins;
+    or None for mosaic_sm90's row-major default tiles, from candidate_costs.
+    The fastest decode tiling that meets the decode targets (x <=
+    DECODE_X_OVER_W of the weight bytes, <= DECODE_MAX_READS weight reads per
+    active expert) and is within DECODE_TIE of the row-major tiles wins;
     without one, of the candidates (row-major included) within DECODE_TIE of
     the fastest, the one with the least x bytes over weight bytes."""
-    dtype = jnp.dtype(dtype_name)
-    draws = proxy_group_sizes(m, num_groups)
-
-    def worst(cost_fn) -> tuple[float, float, float]:
-        """(mean predicted us, worst x / weight bytes, worst weight reads) over the draws."""
-        costs = [cost_fn(sizes) for sizes in draws]
-        return (float(np.mean([c.predicted_us for c in costs])),
-                max(c.x_bytes_over_weight_bytes for c in costs),
-                max(c.weight_reads_per_active_expert for c in costs))
-
-    with mosaic_sm90.host_eval():
-        costs = [(worst(lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
-                                               num_sms=num_sms)), None)]
-        for cfg in decode_candidates(m, n, num_groups, num_weights):
-            try:
-                costs.append((worst(lambda s, cfg=cfg: decode_cost(
-                    s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)), cfg))
-            except ValueError:  # K ranges shorter than the pipeline, or SMEM overflow
-                continue
-    row_major_us = costs[0][0][0]
-    lean = [c for c in costs[1:] if c[0][0] <= row_major_us * (1 + DECODE_TIE)
-            and c[0][1] <= DECODE_X_OVER_W and c[0][2] <= 1.05]
+    costs = candidate_costs(m, k, n, num_groups, num_weights, dtype_name, num_sms)
+    row_major_us = costs[0].mean_us
+    lean = [c for c in costs[1:]
+            if c.mean_us <= row_major_us * (1 + DECODE_TIE) and c.meets_decode_targets]
     if lean:
-        return min(lean, key=lambda c: c[0][0])[1]
+        return min(lean, key=lambda c: c.mean_us).config
     # No tiling meets the target at that price: of the launches within
     # DECODE_TIE of the fastest, the one that loads the fewest x bytes.
-    fastest_us = min(c[0][0] for c in costs)
-    near = [c for c in costs if c[0][0] <= fastest_us * (1 + DECODE_TIE)]
-    return min(near, key=lambda c: (c[0][1], c[0][0]))[1]
+    fastest_us = min(c.mean_us for c in costs)
+    near = [c for c in costs if c.mean_us <= fastest_us * (1 + DECODE_TIE)]
+    return min(near, key=lambda c: (c.worst_x_over_w, c.mean_us)).config
+
+
+def x_lean_candidate(m: int, k: int, n: int, num_groups: int, num_weights: int,
+                     dtype_name: str = "bfloat16",
+                     num_sms: int = H200_NUM_SMS) -> CandidateCost | None:
+    """The fastest decode tiling that meets the decode targets whatever its
+    predicted price (None if no candidate does). Where the launcher's pick
+    misses x <= DECODE_X_OVER_W (the model predicts the lean tiling slower:
+    its roofline has no L2 -> SMEM term, so x re-reads cost nothing), the
+    sweep times this tiling beside the pick so that a GPU run decides."""
+    lean = [c for c in candidate_costs(m, k, n, num_groups, num_weights, dtype_name,
+                                       num_sms)[1:] if c.meets_decode_targets]
+    return min(lean, key=lambda c: c.mean_us, default=None)
 
 
 def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
@@ -553,8 +598,9 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DECODE_OPS_PER_PARAM",
-           "SM_FILL_TARGET", "SM_LANE_OPS_PER_S", "SPLIT_TIE", "TILE_OVERHEAD_S", "KernelCost",
-           "best_grouped_config", "best_mlp_config", "decode_candidates", "decode_cost", "grouped_cost",
-           "launch_cost", "mlp_candidates", "mlp_cost", "proxy_group_sizes", "roofline_s",
-           "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DECODE_MAX_READS", "DECODE_X_OVER_W", "DENSE_BF16_FLOPS",
+           "H200_NUM_SMS", "MXFP4_DECODE_OPS_PER_PARAM", "SM_FILL_TARGET", "SM_LANE_OPS_PER_S",
+           "SPLIT_TIE", "TILE_OVERHEAD_S", "CandidateCost", "KernelCost", "best_grouped_config",
+           "best_mlp_config", "candidate_costs", "decode_candidates", "decode_cost",
+           "grouped_cost", "launch_cost", "mlp_candidates", "mlp_cost", "proxy_group_sizes",
+           "roofline_s", "x_lean_candidate", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

@@ -75,6 +75,12 @@ MAX_BLOCK_T = 256  # WGMMA N limit
 # thread cap block_t at 128 / 256 for 128-wide / 64-wide weight columns).
 MAX_DECODE_ROWS = MAX_BLOCK_T
 CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs a cluster (portable Hopper cluster sizes)
+# Accumulator registers a consumer thread may hold: 128 in general, up to 192
+# in a cluster of two consumers whose producer keeps WIDE_ACC_MEMORY_REGISTERS
+# (the consumers get (512 - 24) / 2 -> 240; memory_registers).
+MAX_ACC_REGISTERS = 128
+MAX_CLUSTER_ACC_REGISTERS = 192
+WIDE_ACC_MEMORY_REGISTERS = 24
 # TMA needs a 16-byte row pitch: the weights' N (2-byte planes) is padded to
 # a multiple of 8 only where it is not one already (never for the K3 shapes).
 W_N_ALIGN = 8
@@ -245,17 +251,20 @@ def _swizzle_transforms(minor_elems: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def memory_registers(cfg: DecodeConfig) -> int:
+def memory_registers(cfg: DecodeConfig, num_weights: int) -> int:
     """Registers per thread of the TMA producer warpgroup: mosaic_sm90's,
-    but 104 for a cluster with two or more consumers (its producer issues the
-    multicast x loads and waits on cluster barriers). Measured with ptxas for
-    sm_90a (fused SiTU, 2026-12-01): at 40 the producer of 2 x 64-column
-    consumers spilled 36-40 bytes at 64-96 tokens in clusters of 2-8; at 80,
-    0 with drained tiles, but 8 + 8 bytes once the tiles chain (three
-    pipeline variants: START / STEADY / STOP) at 64 tokens in a cluster of 4;
-    at 104, 0 (the consumers keep 200)."""
+    but for a cluster with two or more consumers (its producer issues the
+    multicast x loads and waits on cluster barriers) 104, or
+    WIDE_ACC_MEMORY_REGISTERS where the accumulators take over 128 registers
+    a thread. Measured with ptxas for sm_90a (fused SiTU, 2026-12-01): at 40
+    the producer of 2 x 64-column consumers spilled 36-40 bytes at 64-96
+    tokens in clusters of 2-8; at 80, 0 with drained tiles, but 8 + 8 bytes
+    once the tiles chain (three pipeline variants: START / STEADY / STOP) at
+    64 tokens in a cluster of 4; at 104, 0 (the consumers keep 200). With
+    2 x 64 columns x 192 tokens (192 accumulator registers, cluster 8,
+    drained) the consumers spilled 1196 bytes at 104 and 16 at 40, 0 at 24."""
     if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
-        return 104
+        return WIDE_ACC_MEMORY_REGISTERS if cfg.acc_registers(num_weights) > 128 else 104
     return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
 
 
@@ -273,7 +282,7 @@ def _pipeline(step_fn, compute_context, *, cfg: DecodeConfig, num_w: int, planes
                              transforms=_swizzle_transforms(cfg.block_w, 2))
     return plgpu.emit_pipeline_warp_specialized(
         step_fn, grid=(num_k_steps,),
-        memory_registers=memory_registers(cfg),
+        memory_registers=memory_registers(cfg, num_w),
         in_specs=[x_spec] * planes + [w_spec] * (num_w * planes),
         wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
         max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,

@@ -13,7 +13,6 @@ tiling, clusters and overhanging N included; the model test 10 s after it
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -156,35 +155,10 @@ def _decode_rows():
             if case.tokens in (16, 64, 256)]
 
 
-@functools.lru_cache(maxsize=32)
-def _lean_candidate(rows: int, k: int, n: int, num_groups: int, num_weights: int):
-    """(mean predicted us, tiling) of the fastest decode candidate that keeps
-    x <= DECODE_X_OVER_W of the weight bytes and <= 1.05 weight reads per
-    active expert on every proxy draw (best_grouped_config's filter without
-    its time tie), and the row-major tiles' mean us; (None, row-major us) if none."""
-    draws = cost_model.proxy_group_sizes(rows, num_groups)
-    best = None
-    with mosaic_sm90.host_eval():
-        row_major_us = float(np.mean([cost_model.grouped_cost(s, rows, k, n, num_weights)
-                                      .predicted_us for s in draws]))
-        for cfg in cost_model.decode_candidates(rows, n, num_groups, num_weights):
-            try:
-                costs = [cost_model.decode_cost(s, rows, k, n, num_weights, config=cfg)
-                         for s in draws]
-            except ValueError:
-                continue
-            if (max(c.x_bytes_over_weight_bytes for c in costs) <= cost_model.DECODE_X_OVER_W
-                    and max(c.weight_reads_per_active_expert for c in costs) <= 1.05):
-                us = float(np.mean([c.predicted_us for c in costs]))
-                if best is None or us < best[0]:
-                    best = (us, cfg)
-    return best, row_major_us
-
-
 def _lean_rows():
-    """(case, lean tiling) for the sweep's X_TARGET_SLOWER rows."""
-    return [(case, _lean_candidate(case.rows, case.k, case.n, case.local_experts,
-                                   case.num_weights)[0][1])
+    """(case, x-lean tiling) for the sweep's X_TARGET_SLOWER rows."""
+    return [(case, cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
+                                               case.num_weights).config)
             for case in gpu_kernels.grouped_cases(gpu_kernels.FULL)
             if (case.op, case.ep, case.tokens) in X_TARGET_SLOWER]
 
@@ -220,25 +194,27 @@ def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
 
 
 # Sweep rows (op, EP, tokens) where no decode candidate keeps both x <= 10%
-# of the weight bytes and <= 1.05 weight reads per active expert: x / w =
+# of the weight bytes and <= 1.05 weight reads per active expert. x / w =
 # block_t / (num_w x block_w x C) x n_pad / N (n_pad: N rounded up to whole
-# superblocks of C x block_w; the overhanging CTAs load their x shares too),
-# the accumulators <= 128 registers a thread (num_w x wg_block_w x block_t
-# <= 128 x 128), clusters of <= 8 CTAs with two consumers, and block_t >=
-# the rows of nearly every group (mean + ~3 sigma): at ~146 rows a group
-# (EP 32 x 256 tokens) block_t >= 160 leaves wg_block_w = 64 (block_w 128),
-# so x / w >= 160 / (num_w x 128 x 8) = 0.16 (down), and gate_up's two
-# accumulators need 2 x 64 x 160 > 128 x 128.
-X_TARGET_IMPOSSIBLE = {("down", 32, 256), ("gate_up_situ", 32, 256)}
+# superblocks of C x block_w; the overhanging CTAs load their x shares too).
+# down EP 32 x 256 tokens: ~146 rows a group need block_t >= 184 (mean + 3
+# sigma; a smaller tile splits most groups, ~2 reads). Mosaic's multicast
+# splits the x tile over C = 8 CTAs only if block_t / 8 is a multiple of 8,
+# so block_t = 192, and the accumulators (block_w x 192 / 256 registers a
+# consumer thread, <= MAX_CLUSTER_ACC_REGISTERS = 192) cap block_w at 256:
+# x / w >= 192 / (256 x 8) x 4096 / 3584 = 0.107. C = 4 would need block_w
+# >= 512 (384 registers).
+X_TARGET_IMPOSSIBLE = {("down", 32, 256)}
 # Rows where such a candidate exists but the model predicts it (mean over the
 # proxy draws) more than DECODE_TIE slower than the row-major tiles, so the
-# launcher keeps a faster tiling. down's (N = 3584 = 7 x 512) need C x block_w
-# = 1024 or 2048 (x target at 64 / 128 tokens), which overhangs N to 4096:
-# its overhanging CTAs hold SMs for the whole cluster tile without loading
-# weights (+14% SM time on these HBM-bound tiles in the model).
+# launcher keeps a faster tiling and the sweep times the x-lean one beside it
+# (gpu_kernels.x_lean_config). down's (N = 3584 = 7 x 512) need C x block_w
+# = 1024 or 2048, which overhangs N to 4096: the overhanging CTAs hold SMs
+# for the whole cluster tile without loading weights (+14% SM time on these
+# HBM-bound tiles in the model). gate_up EP 32 x 256 needs 192 tokens x 2 x 64
+# columns in a cluster of 8: 84 cluster tiles on 16 clusters (0.85 SM fill).
 X_TARGET_SLOWER = {("down", 32, 64), ("down", 8, 256), ("down", 16, 256),
-                   ("gate_up_situ", 32, 64), ("gate_up_situ", 8, 256),
-                   ("gate_up_situ", 16, 256)}
+                   ("gate_up_situ", 16, 256), ("gate_up_situ", 32, 256)}
 
 
 def test_model_decode_rows_x_bytes_and_weight_reads():
@@ -248,8 +224,9 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
     X_TARGET_SLOWER keeps its x bytes <= 10% of its weight bytes (clusters
     multicast x where one CTA's tile cannot) and is predicted within 3% of
     the row-major kernel. X_TARGET_IMPOSSIBLE rows have no candidate that
-    meets the target; X_TARGET_SLOWER rows have one (down's overhanging N),
-    predicted over DECODE_TIE slower than the row-major tiles."""
+    meets the target; X_TARGET_SLOWER rows have one, predicted over
+    DECODE_TIE slower than the row-major tiles, which the sweep times beside
+    the launcher's (gpu_kernels.x_lean_config)."""
     chosen = 0
     for case, cfg in _decode_rows():
         sizes = gpu_kernels.grouped_sizes(case)
@@ -257,13 +234,16 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
         assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
         key = (case.op, case.ep, case.tokens)
         if key in X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER:
-            lean, row_major_us = _lean_candidate(case.rows, case.k, case.n,
-                                                 case.local_experts, case.num_weights)
+            lean = cost_model.x_lean_candidate(case.rows, case.k, case.n,
+                                               case.local_experts, case.num_weights)
+            assert (gpu_kernels.x_lean_config(case, sizes) is None) == (lean is None)
             if key in X_TARGET_IMPOSSIBLE:
                 assert lean is None, (case.name, lean)
             else:
                 assert lean is not None, case.name
-                assert lean[0] > row_major_us * (1 + cost_model.DECODE_TIE), (case.name, lean)
+                row_major_us = cost_model.candidate_costs(
+                    case.rows, case.k, case.n, case.local_experts, case.num_weights)[0].mean_us
+                assert lean.mean_us > row_major_us * (1 + cost_model.DECODE_TIE), (case.name, lean)
             continue
         assert cfg is not None, case.name
         chosen += 1
@@ -274,6 +254,30 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
         # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
         assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
     assert chosen == 18 - len(X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER)
+
+
+def test_sweep_times_the_x_lean_tiling_beside_the_launchers():
+    """Where the launcher's tiling misses x <= 10% and an x-lean one exists
+    (X_TARGET_SLOWER), the model row carries its prediction ("x_lean") and
+    the sweep's peer runs the decode kernel with that tiling on the row's
+    own arguments (lowered for sm_90 here); rows that meet the target, and
+    X_TARGET_IMPOSSIBLE, have none."""
+    lowered = set()
+    for case in gpu_kernels.grouped_cases(gpu_kernels.FULL):
+        key, sizes = (case.op, case.ep, case.tokens), gpu_kernels.grouped_sizes(case)
+        row = gpu_kernels.model_grouped(case, sizes)
+        lean = gpu_kernels.x_lean_config(case, sizes)
+        assert (lean is not None) == (key in X_TARGET_SLOWER) == ("x_lean" in row), key
+        if lean is None:
+            continue
+        assert row["x_lean"]["config"]["block_t"] == lean.block_t
+        assert row["x_lean"]["x_bytes_over_weight_bytes"] <= cost_model.DECODE_X_OVER_W
+        assert row["x_lean"]["predicted_us"] > row["predicted_us"], key
+        if case.op not in lowered:  # one lowering per op: the signatures are the op's
+            text = kc.lower_for_sm90(gpu_kernels.decode_fn(case, lean), *case.arg_specs())
+            assert "mosaic_gpu" in text, key
+            lowered.add(case.op)
+    assert lowered == {"gate_up_situ", "down"}
 
 
 def test_model_counts_match_a_hand_count():
