@@ -56,12 +56,6 @@ CASES = [
 ]
 
 
-def _case_id(case) -> str:
-    m, k, n, sizes, dtype, cfg = case
-    return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
-            f"_t{cfg.block_t}_s{cfg.split_k}_c{cfg.cluster}")
-
-
 def _weight_pads(fn, *args) -> list:
     """The pad equations of fn's jaxpr (nested jaxprs included) whose operand
     is 3-D: a weight [G, K, N] (x is 2-D, the schedule 1-D)."""
@@ -81,32 +75,21 @@ def _weight_pads(fn, *args) -> list:
     return pads
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
 def test_overhanging_cluster_matches_float64_without_weight_padding(case):
-    """Both products against the float64 loop (tail rows exactly 0, no NaN
-    from the poisoned tail of x), and neither launcher pads a weight."""
+    """Neither launcher pads a weight, and both products match the float64
+    loop (kc.check_decode_products: tail rows exactly 0, no NaN from the
+    poisoned tail of x)."""
     m, k, n, sizes, dtype, cfg = case
     plan = dec.plan_launch(m, k, n, len(sizes), 2, dtype, dtype, cfg)
     assert plan.n_pad % n and plan.n_pad > n  # the last superblock overhangs N
-    sizes = np.asarray(sizes, np.int32)
-    x, (wg, wu) = kc.grouped_inputs(m + k + n, m, k, n, len(sizes), dtype, 2)
-    x = kc.poison_tail(x, sizes)
-    sizes_j = jnp.asarray(sizes)
-
-    def plain(x, w, s):
-        return dec.grouped_matmul(x, w, s, config=cfg, interpret=True)
-
-    def fused(x, a, b, s):
-        return dec.grouped_situ_glu(x, a, b, s, config=cfg, interpret=True, **SITU)
-    assert _weight_pads(plain, x, wg, sizes_j) == []
-    assert _weight_pads(fused, x, wg, wu, sizes_j) == []
-    y = plain(x, wg, sizes_j)
-    assert y.shape == (m, n) and y.dtype == dtype
-    kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(wg), sizes), sizes,
-                             kc.kernel_tol(dtype), "plain " + _case_id(case))
-    h = fused(x, wg, wu, sizes_j)
-    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(kc.f32(x), kc.f32(wg), kc.f32(wu), sizes),
-                             sizes, kc.kernel_tol(dtype), "fused " + _case_id(case))
+    sizes_j = jnp.asarray(sizes, jnp.int32)
+    x, (wg, wu) = kc.grouped_inputs(0, m, k, n, len(sizes), dtype, 2)
+    assert _weight_pads(lambda x, w, s: dec.grouped_matmul(x, w, s, config=cfg, interpret=True),
+                        x, wg, sizes_j) == []
+    assert _weight_pads(lambda x, a, b, s: dec.grouped_situ_glu(
+        x, a, b, s, config=cfg, interpret=True, **SITU), x, wg, wu, sizes_j) == []
+    kc.check_decode_products(case, seed=m + k + n)
 
 
 def test_weight_pitch_tma_cannot_take_is_padded_to_eight_columns():
