@@ -6,8 +6,10 @@
 #
 # writes under $OUT:
 #   env.txt                GPU, driver, python and package versions
-#   headline.json/.md/.log the headline subset first (EP 16 at 16 / 4096 / 16384
-#                          tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s
+#   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
+#                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
+#                          both 256-token rows time their x-lean decode tiling
+#                          (the x_lean peer) beside the launcher's pick
 #   checks.json/.log       gpu_kernel_checks.py: correctness on the device (f32,
 #                          NaN tails, empty groups, padding, prefill tiles,
 #                          two runs bitwise equal), with ptxas's register and
@@ -52,7 +54,7 @@ EOF
 cat "$out/env.txt"
 
 PYTHONPATH=. timeout 150 "$python" benchmarks/gpu_kernels.py --keep-going --time-budget 90 \
-  --ep 16 --tokens 16 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \
+  --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \
   --json "$out/headline.json" --markdown "$out/headline.md" >"$out/headline.log" 2>&1
 headline=$?
 tail -25 "$out/headline.log"
