@@ -398,6 +398,12 @@ def no_drain_stages(step_counts: list[int] | set[int], max_stages: int) -> int:
     return 0
 
 
+def chain_stages(num_k_steps: int, split_k: int, max_stages: int) -> int:
+    """no_drain_stages of the K ranges that split_k cuts num_k_steps into."""
+    return no_drain_stages({k_range(s, num_k_steps, split_k)[1] for s in range(split_k)},
+                           max_stages)
+
+
 def chain_state(tile, bounds_gmem, cta) -> jax.Array:
     """0 / 1 / 2 = START / STEADY / STOP: linear tile ``tile``'s place in
     the chain of pipelines of CTA (or cluster) ``cta``, whose first and last
@@ -710,8 +716,7 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
         raise ValueError(
             f"split_k={cfg.split_k} leaves K ranges of {num_k_steps // cfg.split_k} "
             f"K steps, fewer than the {cfg.max_concurrent_steps} pipeline stages")
-    stages = no_drain_stages({k_range(s, num_k_steps, cfg.split_k)[1]
-                              for s in range(cfg.split_k)}, cfg.max_concurrent_steps)
+    stages = chain_stages(num_k_steps, cfg.split_k, cfg.max_concurrent_steps)
     if stages:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
     return LaunchPlan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m), k_pad=k_pad,

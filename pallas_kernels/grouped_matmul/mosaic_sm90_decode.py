@@ -219,9 +219,7 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     out_bytes = 4 if cfg.split_k > 1 else jnp.dtype(out_dtype).itemsize
     cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes)
     k_pad = mosaic_sm90._round_up(k, block_k)
-    stages = mosaic_sm90.no_drain_stages(
-        {mosaic_sm90.k_range(s, k_pad // block_k, cfg.split_k)[1] for s in range(cfg.split_k)},
-        cfg.max_concurrent_steps)
+    stages = mosaic_sm90.chain_stages(k_pad // block_k, cfg.split_k, cfg.max_concurrent_steps)
     if stages:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
