@@ -167,9 +167,9 @@ CASES: list[Case] = [
          decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16,
                                                 cluster=4)),
     # ...with 192 accumulator registers a consumer thread (a 24-register
-    # producer: the sweep's gate/up EP 32 x 256-token x-lean tiling, ~146 rows
-    # a group)
-    Case("situ_glu", 2048, 1024, 1024, 14, "uniform", BF16,
+    # producer, drained tiles: the sweep's gate/up EP 32 x 256-token x-lean
+    # tiling, ~146 rows a group, two superblocks of 8 x 128 columns)
+    Case("situ_glu", 2048, 1024, 2048, 14, "uniform", BF16,
          decode=mosaic_sm90_decode.DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=192,
                                                 cluster=8)),
 ]

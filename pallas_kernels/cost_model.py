@@ -357,8 +357,9 @@ def decode_candidates(m: int, n: int, num_groups: int,
     its x tile is over DECODE_X_OVER_W of its weight tiles, in the smallest
     cluster C that brings it under, with the token tile raised (in steps of
     8) to the first one whose x tile splits over C CTAs (accumulators <=
-    MAX_CLUSTER_ACC_REGISTERS = 192 registers: the clustered kernel's
-    producer then keeps 24, mosaic_sm90_decode.memory_registers). C x
+    MAX_CLUSTER_ACC_REGISTERS = 192 registers where N holds two superblocks
+    or more: the clustered kernel's producer then keeps 24,
+    mosaic_sm90_decode.memory_registers, and its tiles drain). C x
     block_w need not divide N: the last superblock
     overhangs N (the kernel reads zero fill past N, no weight padding) and
     its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
@@ -396,7 +397,10 @@ def decode_candidates(m: int, n: int, num_groups: int,
                 clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
                 # x / w of the launch: the overhanging CTAs load their x shares too.
                 n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
-                if (clustered.acc_registers(num_weights) <= max_cluster_acc
+                acc = clustered.acc_registers(num_weights)
+                # Wide accumulators only over >= 2 superblocks: with one, ptxas
+                # spilled 8 + 8 bytes (2 x 64 x 192, cluster 8, N = 1024; 0 at 2048, 3072).
+                if ((acc <= max_acc or (acc <= max_cluster_acc and n_pad >= 2 * c * cfg.block_w))
                         and t * n_pad <= DECODE_X_OVER_W * num_weights * cfg.block_w * c * n):
                     tilings.append(clustered)
                     break

@@ -159,7 +159,8 @@ class DecodePlan:
     n_pad: int  # output rows: whole superblocks of cluster x block_w columns
     w_cols: int  # weight columns the kernel reads (n rounded up to W_N_ALIGN; not n_pad)
     num_items: int  # W: columns of the work-item table (the static bound)
-    no_drain: bool  # a CTA's tiles chain their pipelines (mosaic_sm90.no_drain_stages)
+    no_drain: bool  # a CTA's tiles chain their pipelines (mosaic_sm90.chain_stages; never
+    # with over MAX_ACC_REGISTERS accumulator registers a thread)
     approx_math: bool  # bf16 / f16 output (no split-K): approximate tanh / exp
 
     @property
@@ -219,7 +220,10 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dt
     out_bytes = 4 if cfg.split_k > 1 else jnp.dtype(out_dtype).itemsize
     cfg = fit_smem(cfg, num_weights, 2 * planes, out_bytes)
     k_pad = mosaic_sm90._round_up(k, block_k)
-    stages = mosaic_sm90.chain_stages(k_pad // block_k, cfg.split_k, cfg.max_concurrent_steps)
+    # Tiles over MAX_ACC_REGISTERS accumulator registers drain: chained, their
+    # consumers spill (memory_registers).
+    stages = (mosaic_sm90.chain_stages(k_pad // block_k, cfg.split_k, cfg.max_concurrent_steps)
+              if cfg.acc_registers(num_weights) <= MAX_ACC_REGISTERS else 0)
     if stages:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=stages)
     plan = DecodePlan(cfg=cfg, planes=planes, x_rows=mosaic_sm90.x_rows(m, cfg.block_t),
@@ -260,7 +264,12 @@ def memory_registers(cfg: DecodeConfig, num_weights: int) -> int:
     once the tiles chain (three pipeline variants: START / STEADY / STOP) at
     64 tokens in a cluster of 4; at 104, 0 (the consumers keep 200). With
     2 x 64 columns x 192 tokens (192 accumulator registers, cluster 8,
-    drained) the consumers spilled 1196 bytes at 104 and 16 at 40, 0 at 24."""
+    drained) the consumers spilled 1196 bytes at 104 and 16 at 40, 0 at 24
+    (their 240 registers: 24 is setmaxnreg's floor, 16 fails to compile);
+    chained (K = 1024, 16 K steps) 8 + 8 bytes at 24 and 32, so plan_launch
+    never chains such tiles; drained, 8 + 8 bytes at 24 with N = 1024 (one
+    superblock of 8 x 128 columns), 0 with N = 2048 or 3072, so the cost
+    model's candidates take them over two superblocks or more only."""
     if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
         return WIDE_ACC_MEMORY_REGISTERS if cfg.acc_registers(num_weights) > 128 else 104
     return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
