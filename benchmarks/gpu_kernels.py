@@ -528,6 +528,8 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
         sizes = jnp.asarray(sizes_np)
         x = jax.random.normal(jax.random.key(case.tokens), (case.rows, case.k), DTYPE)
         active = int(jnp.sum(sizes > 0))
+        # the model prices bf16 weights: none for MXFP4 rows
+        model = None if case.mxfp4 else model_grouped(case, sizes_np)
         peers = {}
         if sweep.kernel_backend == "pallas" and not case.mxfp4:
             # tokamax: the library a JAX user would pick
@@ -537,7 +539,7 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
                 peers["jax_mosaic"] = jax_mosaic_ragged_dot(case)
             if with_triton:
                 peers["triton"] = case.fn("triton")
-            if (lean := x_lean_config(case, sizes_np)) is not None:
+            if (lean := x_lean_config(case, model["x_bytes_over_weight_bytes"])) is not None:
                 peers["x_lean"] = decode_fn(case, lean)
         # MXFP4 rows: the Triton kernel is the kernel; 0.53125 B per weight element
         kernel_fn = case.fn("triton" if case.mxfp4 else sweep.kernel_backend)
@@ -551,9 +553,7 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
                                              ws=_dense_weights(case, ws), sizes=sizes))
         sweep.results.add("grouped", {**case.fields(), "active_experts": active,
                                       "small": case.tokens <= plan.small_tokens, **row,
-                                      # the model prices bf16 weights: none for MXFP4 rows
-                                      **({} if case.mxfp4 else
-                                         {"model": model_grouped(case, sizes_np)})})
+                                      **({} if model is None else {"model": model})})
         print(format_grouped_row(sweep.results.data["grouped"][-1]))
 
 
@@ -609,16 +609,15 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
 
 
 def x_lean_config(case: GroupedCase,
-                  sizes: np.ndarray) -> mosaic_sm90_decode.DecodeConfig | None:
+                  pick_x_over_w: float) -> mosaic_sm90_decode.DecodeConfig | None:
     """The decode tiling timed beside the launcher's where, at up to
     X_TARGET_MAX_TOKENS tokens, the launcher's loads x over
-    cost_model.DECODE_X_OVER_W of its weight bytes on this routing
+    cost_model.DECODE_X_OVER_W of its weight bytes (pick_x_over_w: its
+    model_grouped row's x_bytes_over_weight_bytes on this routing)
     (cost_model.x_lean_candidate; None if the launcher's meets it, or no
     tiling does, or the weights are MXFP4)."""
-    if case.mxfp4 or case.tokens > X_TARGET_MAX_TOKENS:
-        return None
-    pick = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
-    if pick.x_bytes_over_weight_bytes <= cost_model.DECODE_X_OVER_W:
+    if (case.mxfp4 or case.tokens > X_TARGET_MAX_TOKENS
+            or pick_x_over_w <= cost_model.DECODE_X_OVER_W):
         return None
     lean = cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
                                        case.num_weights)
@@ -640,7 +639,7 @@ def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     routing (config, predicted_us, x / w, weight reads, SM fill)."""
     cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights,
                                   mxfp4=case.mxfp4)
-    lean = x_lean_config(case, sizes)
+    lean = x_lean_config(case, cost.x_bytes_over_weight_bytes)
     if lean is not None:
         lean_cost = cost_model.decode_cost(sizes, case.rows, case.k, case.n, case.num_weights,
                                            config=lean)

@@ -271,7 +271,8 @@ def memory_registers(cfg: DecodeConfig, num_weights: int) -> int:
     superblock of 8 x 128 columns), 0 with N = 2048 or 3072, so the cost
     model's candidates take them over two superblocks or more only."""
     if cfg.cluster > 1 and cfg.num_compute_wgs > 1:
-        return WIDE_ACC_MEMORY_REGISTERS if cfg.acc_registers(num_weights) > 128 else 104
+        return (WIDE_ACC_MEMORY_REGISTERS if cfg.acc_registers(num_weights) > MAX_ACC_REGISTERS
+                else 104)
     return mosaic_sm90._memory_registers(cfg.num_compute_wgs)
 
 

@@ -6,7 +6,7 @@ the cost model's decode figures (issue 12's x <= 10% of weight bytes).
 
 Measured on the 2-core host, nothing else running: the whole file ~165 s
 (the ptxas test 104 s: the launcher's choice for 18 sweep rows and the lean
-candidate of the 6 X_TARGET_SLOWER rows, then one compile per distinct
+candidate of the 5 X_TARGET_SLOWER rows, then one compile per distinct
 tiling, clusters and overhanging N included; the model test 10 s after it
 (the choices are cached), 42 s alone; the interpret cases 31 s).
 """
@@ -236,7 +236,8 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
         if key in X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER:
             lean = cost_model.x_lean_candidate(case.rows, case.k, case.n,
                                                case.local_experts, case.num_weights)
-            assert (gpu_kernels.x_lean_config(case, sizes) is None) == (lean is None)
+            assert (gpu_kernels.x_lean_config(case, cost.x_bytes_over_weight_bytes) is None) \
+                == (lean is None)
             if key in X_TARGET_IMPOSSIBLE:
                 assert lean is None, (case.name, lean)
             else:
@@ -266,7 +267,7 @@ def test_sweep_times_the_x_lean_tiling_beside_the_launchers():
     for case in gpu_kernels.grouped_cases(gpu_kernels.FULL):
         key, sizes = (case.op, case.ep, case.tokens), gpu_kernels.grouped_sizes(case)
         row = gpu_kernels.model_grouped(case, sizes)
-        lean = gpu_kernels.x_lean_config(case, sizes)
+        lean = gpu_kernels.x_lean_config(case, row["x_bytes_over_weight_bytes"])
         assert (lean is not None) == (key in X_TARGET_SLOWER) == ("x_lean" in row), key
         if lean is None:
             continue
