@@ -7,7 +7,7 @@ benchmarks/gpu_kernel_checks.py (benchmarks/compile_table.py lists them). The pt
 wheel's (k3jax.aot.pin_wheel_ptxas).
 
 A configuration that spills today is named in KNOWN_SPILLS with the reason
-(BENCHMARKS.md, "Compiled for H200"). The test fails on a spill not in the
+(benchmarks/results/compiled_kernels_sm90a.md). The test fails on a spill not in the
 table and on an entry that no longer spills, so the table cannot go stale.
 Each configuration compiles once per process: about 3 s each on an idle
 2-core machine (4-5 minutes for the 83), 10-60 s each on the loaded shared
@@ -29,7 +29,7 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
-# Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md):
+# From benchmarks/compile_table.py --kernels (benchmarks/results/compiled_kernels_sm90a.md):
 # every k3jax tile is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")
@@ -77,7 +77,7 @@ def test_compiles_for_sm90a_without_spills(name):
     spilled = [r for r in found if r.spill_bytes]
     if name in KNOWN_SPILLS:
         assert spilled, (f"{name} no longer spills: remove it from KNOWN_SPILLS "
-                         f"({KNOWN_SPILLS[name]!r}) and from BENCHMARKS.md")
+                         f"({KNOWN_SPILLS[name]!r}) and from benchmarks/results/compiled_kernels_sm90a.md")
     else:
         assert not spilled, [(r.name, r.registers, r.spill_store_bytes, r.spill_load_bytes,
                               r.warnings) for r in spilled]

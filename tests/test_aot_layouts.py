@@ -4,7 +4,7 @@ experts) compiled for 8 H200s without a GPU (k3jax.compile.compile_layer), at
 (once per distinct dense placement), and the MoE layer 1 with the Pallas
 backend in the layout of the issue's "done when" command (sp_ep_tp8_shard).
 Pallas in every layout, and the single-device layout, are compiled by
-``python benchmarks/compile_table.py --layouts`` (the BENCHMARKS.md table):
+``python benchmarks/compile_table.py --layouts`` (benchmarks/results/compiled_layouts_h200.md):
 2-3 minutes each on a loaded 2-core machine, too slow for the suite.
 Checked here:
 

@@ -151,7 +151,7 @@ def test_mxfp4_weights_are_validated():
 def test_no_dense_expansion():
     """ragged_dot on XLA expands to [M, G*K]; the blocked path's temporaries
     stay near its [M, N] output (CPU compile; the H200 compile behaves alike,
-    see BENCHMARKS.md)."""
+    see benchmarks/results/compiled_temporaries_k3_moe.md)."""
     m, k, n, g = 2048, 256, 128, 64
     args = (jax.ShapeDtypeStruct((m, k), BF16), jax.ShapeDtypeStruct((g, k, n), BF16),
             jax.ShapeDtypeStruct((g,), jnp.int32))
