@@ -147,7 +147,7 @@ def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path
     assert rel_err(got_2x4, got_1x8) < 1e-5
     want = np_moe(x, layer_tensors_f64(ckpt, 1), TINY)
     assert rel_err(got_2x4, want) < 1e-4
-    # gradients (issue 16): process 0 gathers and writes them; they equal the one-process run's
+    # gradients: process 0 gathers and writes them; they equal the one-process run's
     assert f"wrote {g2}" in out0 and str(g2) not in out1
     grads_1x8, grads_2x4 = load_file(g1), load_file(g2)
     assert set(grads_2x4) == set(grads_1x8) and "input" in grads_2x4
