@@ -36,7 +36,8 @@ def load_result(path: str) -> dict:
             raise ValueError(f"{path} is not JSON ({e})") from None
     missing = [k for k in ("meta", "ceilings", "grouped", "mlp") if k not in result]
     if missing or result["ceilings"] is None:
-        raise ValueError(f"{path} is not a benchmarks.kernel_sweep result (missing: {missing or ['ceilings']})")
+        raise ValueError(f"{path} is not a benchmarks.kernel_sweep result "
+                         f"(missing: {missing or ['ceilings']})")
     return result
 
 
