@@ -1,4 +1,4 @@
-"""MXFP4 rows of the GPU benchmark (benchmarks/gpu_kernels.py): the grouped
+"""MXFP4 rows of the GPU benchmark (benchmarks.kernel_sweep): the grouped
 MoE matmuls with MXFP4 experts (Mxfp4Weights: codes packed along K + UE8M0
 scales, 0.53125 B per parameter) at the first EP of the plan, every token
 count (decode and prefill), three implementations on the same arguments:
@@ -11,7 +11,7 @@ count (decode and prefill), three implementations on the same arguments:
   "bf16"         the kernel backend on bf16 weights (the same values
                  dequantized once, outside the timing): what MXFP4 should match;
   "dequant_ragged_dot"  dequantize every local expert, then jax.lax.ragged_dot
-                 (XLA), the pre-issue-13 path. Skipped, and the row says so,
+                 (XLA). Skipped, and the row says so,
                  when its compiled temporaries exceed the GPU's memory.
 
 Weight traffic is counted in packed bytes for "mxfp4" (0.53125 B per active
@@ -73,7 +73,7 @@ def device_memory_bytes(device) -> int | None:
 
 def run_mxfp4(sweep, cases, *, situ: dict, check: Callable, rates: Callable,
               time_all: Callable, model: Callable | None = None) -> None:
-    """One "mxfp4" row per case (gpu_kernels.GroupedCase); check(name, out,
+    """One "mxfp4" row per case (benchmarks.cases.GroupedCase); check(name, out,
     ref, valid_rows) -> rel err, rates(flops, bytes, seconds, ceilings) -> dict,
     model(case) -> the cost model's fields for the MXFP4 kernel (or None)."""
     memory = device_memory_bytes(jax.devices()[0])

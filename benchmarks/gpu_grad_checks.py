@@ -8,8 +8,8 @@ by complex step): float32 (bf16x3 kernels) within 5e-5 relative, bf16 within
 fewer rows than one tile, a group spanning several row blocks, then K3-sized
 expert shapes in bf16. Each case runs twice and must repeat bitwise.
 
-  python benchmarks/gpu_grad_checks.py --json grad_checks.json     # on the GPU
-  python benchmarks/gpu_grad_checks.py --backend interpret --quick  # CPU smoke
+  python -m benchmarks.gpu_grad_checks --json grad_checks.json     # on the GPU
+  python -m benchmarks.gpu_grad_checks --backend interpret --quick  # CPU smoke
 
 Exit status: 0 all cases pass, 1 some case failed, 2 usage error.
 """

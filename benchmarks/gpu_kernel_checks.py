@@ -1,6 +1,6 @@
 """Correctness of the Pallas kernels on the device, before anything is timed.
 
-The benchmark sweep (gpu_kernels.py) runs bf16 at K3 shapes where the groups
+The benchmark sweep (benchmarks.kernel_sweep) runs bf16 at K3 shapes where the groups
 cover every row. This pass covers what it does not, on the real backend:
 float32 inputs (the bf16x3 path), rows past sum(group_sizes) poisoned with
 NaN (the tail branch), empty groups, one group holding every row, fewer
@@ -9,8 +9,8 @@ case runs twice and must give bitwise-identical outputs (a race that shows
 only sometimes fails here), and is compared with a float64 numpy reference
 (tests/kernels/kernel_cases.py, the test suite's shared base).
 
-  python benchmarks/gpu_kernel_checks.py --json checks.json       # on the GPU
-  python benchmarks/gpu_kernel_checks.py --backend interpret      # CPU, minutes
+  python -m benchmarks.gpu_kernel_checks --json checks.json       # on the GPU
+  python -m benchmarks.gpu_kernel_checks --backend interpret      # CPU, minutes
 
 Exit status: 0 all cases pass, 1 some case failed, 2 usage error.
 """

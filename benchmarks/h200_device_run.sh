@@ -10,11 +10,11 @@
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
 #                          both 256-token rows time their x-lean decode tiling
 #                          (the x_lean peer) beside the launcher's pick
-#   checks.json/.log       gpu_kernel_checks.py: correctness on the device (f32,
+#   checks.json/.log       benchmarks.gpu_kernel_checks: correctness on the device (f32,
 #                          NaN tails, empty groups, padding, prefill tiles,
 #                          two runs bitwise equal), with ptxas's register and
 #                          spill report (MOSAIC_GPU_DUMP_PTXAS=1); spills.txt
-#   gpu.json/.md/.log      gpu_kernels.py --keep-going: the timed sweep (every
+#   gpu.json/.md/.log      benchmarks.kernel_sweep --keep-going: the timed sweep (every
 #                          config compiled before any is timed; compile and
 #                          run time per row; the cost model's prediction in
 #                          each row; XLA baselines too big for the GPU skipped)
@@ -26,7 +26,7 @@
 # to start configs plus 120 s to finish one. The sweep runs even when the
 # checks fail or time out: it checks every output itself.
 # gpu.json / gpu.md are rewritten after every row. Pre-flight on the CPU
-# first: python benchmarks/gpu_kernels.py --lower-only
+# first: python -m benchmarks.lower_check
 set -uo pipefail
 out="${OUT:?OUT must name the output folder}"
 python="${PYTHON:-python3}"
@@ -53,14 +53,14 @@ EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-PYTHONPATH=. timeout 150 "$python" benchmarks/gpu_kernels.py --keep-going --time-budget 90 \
+PYTHONPATH=. timeout 150 "$python" -m benchmarks.kernel_sweep --keep-going --time-budget 90 \
   --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \
   --json "$out/headline.json" --markdown "$out/headline.md" >"$out/headline.log" 2>&1
 headline=$?
 tail -25 "$out/headline.log"
 echo "# headline exit $headline"
 
-MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. timeout 150 "$python" benchmarks/gpu_kernel_checks.py \
+MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. timeout 150 "$python" -m benchmarks.gpu_kernel_checks \
   --json "$out/checks.json" >"$out/checks.log" 2>&1
 checks=$?
 grep -v "^ptxas info\|^ptxas .*Compiling\|Used [0-9]* registers" "$out/checks.log" | tail -40
@@ -73,12 +73,12 @@ if [ -s "$out/serialized.txt" ]; then
   [ "$checks" -eq 0 ] && checks=1
 fi
 [ "$checks" -eq 124 ] && echo "# the correctness pass timed out: running the sweep anyway"
-PYTHONPATH=. timeout $((budget + 120)) "$python" benchmarks/gpu_kernels.py --keep-going \
+PYTHONPATH=. timeout $((budget + 120)) "$python" -m benchmarks.kernel_sweep --keep-going \
   --time-budget "$budget" --json "$out/gpu.json" --markdown "$out/gpu.md" 2>&1 | tee "$out/gpu.log"
 status="${PIPESTATUS[0]}"
 if [ -f "$out/gpu.json" ]; then  # matplotlib may be missing there: then plot after fetching
-  "$python" benchmarks/plot_gpu_kernels.py "$out/gpu.json" -o "$out/gpu.png" \
-    || echo "no plot here; run benchmarks/plot_gpu_kernels.py on the fetched gpu.json"
+  PYTHONPATH=. "$python" -m benchmarks.plot_gpu_kernels "$out/gpu.json" -o "$out/gpu.png" \
+    || echo "no plot here; run python -m benchmarks.plot_gpu_kernels on the fetched gpu.json"
 fi
 [ "$checks" -ne 0 ] && [ "$status" -eq 0 ] && status="$checks"
 [ "$headline" -ne 0 ] && [ "$status" -eq 0 ] && status="$headline"

@@ -1,6 +1,6 @@
-"""Plot a benchmarks/gpu_kernels.py result against its targets (issue 7).
+"""Plot a benchmarks.kernel_sweep result against its targets.
 
-  python benchmarks/plot_gpu_kernels.py gpu.json -o gpu.png
+  python -m benchmarks.plot_gpu_kernels gpu.json -o gpu.png
 
 Three panels, each with its target drawn in:
   1. grouped matmuls, % of the measured dense bf16 rate vs tokens, kernel
@@ -21,14 +21,14 @@ import json
 import os
 import sys
 
-from bench_report import write_atomically
+from benchmarks.bench_report import write_atomically
 
 PREFILL_TARGET_PCT = 70.0
 DECODE_TARGET_PCT = 60.0
 
 
 def load_result(path: str) -> dict:
-    """The JSON gpu_kernels.py wrote; ValueError naming what is missing."""
+    """The JSON benchmarks.kernel_sweep wrote; ValueError naming what is missing."""
     with open(path) as f:
         try:
             result = json.load(f)
@@ -36,7 +36,8 @@ def load_result(path: str) -> dict:
             raise ValueError(f"{path} is not JSON ({e})") from None
     missing = [k for k in ("meta", "ceilings", "grouped", "mlp") if k not in result]
     if missing or result["ceilings"] is None:
-        raise ValueError(f"{path} is not a gpu_kernels.py result (missing: {missing or ['ceilings']})")
+        raise ValueError(f"{path} is not a benchmarks.kernel_sweep result "
+                         f"(missing: {missing or ['ceilings']})")
     return result
 
 
@@ -104,7 +105,7 @@ def plot(result: dict, out_path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", help="the JSON written by benchmarks/gpu_kernels.py --json")
+    p.add_argument("result", help="the JSON written by python -m benchmarks.kernel_sweep --json")
     p.add_argument("-o", "--output", required=True, metavar="PNG", help="the plot to write")
     args = p.parse_args(argv)
     if not os.path.isfile(args.result):

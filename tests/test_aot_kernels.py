@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import pytest
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
-
-import compile_table  # noqa: E402
-
-from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
+from benchmarks import compile_table
+from k3jax.aot import PtxasReport, pin_wheel_ptxas
 
 # From benchmarks/compile_table.py --kernels (benchmarks/results/compiled_kernels_sm90a.md):
 # every k3jax tile is spill-free; the only spills are jax's own kernel's.

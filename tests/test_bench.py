@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from benchmarks.token_sweep import crossover_tokens, default_experts, scale_config
 from k3jax import K3, TINY
-from k3jax.bench import crossover_tokens, default_experts, scale_config
 from k3jax.cli import main as cli_main
 from k3jax.files import atomic_write
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from k3jax import distributed
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main as cli_main
 from k3jax.config import TINY
+from k3jax.runtime import startup, supervision
 from numerics import rel_err
 from reference_np import np_moe
 
@@ -32,7 +32,7 @@ LAYOUT = ["--devices", "8", "--tp", "8", "--sequence-parallel", "--expert-parall
           "--shard-shared-expert", "--backend", "xla"]
 RUN_TIMEOUT_S = 240      # a whole run on a loaded 2-core machine; a hang fails here
 PEER_LOSS_LIMIT_S = 60   # the issue's bound for a survivor to exit after a peer dies
-DIST_ENV = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID)
+DIST_ENV = (startup.ENV_COORDINATOR, startup.ENV_NUM_PROCESSES, startup.ENV_PROCESS_ID)
 
 
 def free_port() -> int:
@@ -147,7 +147,7 @@ def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path
     assert rel_err(got_2x4, got_1x8) < 1e-5
     want = np_moe(x, layer_tensors_f64(ckpt, 1), TINY)
     assert rel_err(got_2x4, want) < 1e-4
-    # gradients (issue 16): process 0 gathers and writes them; they equal the one-process run's
+    # gradients: process 0 gathers and writes them; they equal the one-process run's
     assert f"wrote {g2}" in out0 and str(g2) not in out1
     grads_1x8, grads_2x4 = load_file(g1), load_file(g2)
     assert set(grads_2x4) == set(grads_1x8) and "input" in grads_2x4
@@ -254,14 +254,14 @@ def test_bad_multi_process_flags_are_usage_errors(flags, message, capsys, monkey
 def test_environment_fallbacks():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
            "JAX_PROCESS_ID": "1"}
-    assert distributed.spec_from_args(None, None, None, env) == \
-        distributed.ProcessSpec("10.0.0.1:1234", 2, 1)
+    assert startup.spec_from_args(None, None, None, env) == \
+        startup.ProcessSpec("10.0.0.1:1234", 2, 1)
     # flags win over the environment
-    assert distributed.spec_from_args("h:9", None, 0, env) == distributed.ProcessSpec("h:9", 2, 0)
-    assert distributed.spec_from_args(None, None, None, {}) is None
-    assert distributed.spec_from_args(None, None, None, {"JAX_COORDINATOR_ADDRESS": "h:1"}) is None
+    assert startup.spec_from_args("h:9", None, 0, env) == startup.ProcessSpec("h:9", 2, 0)
+    assert startup.spec_from_args(None, None, None, {}) is None
+    assert startup.spec_from_args(None, None, None, {"JAX_COORDINATOR_ADDRESS": "h:1"}) is None
     with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer"):
-        distributed.spec_from_args(None, None, None, {**env, "JAX_PROCESS_ID": "one"})
+        startup.spec_from_args(None, None, None, {**env, "JAX_PROCESS_ID": "one"})
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -273,7 +273,7 @@ def test_bad_timeouts_are_usage_errors_before_the_worker_starts(name, value, mes
     for var in DIST_ENV:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(name, value)
-    monkeypatch.setattr(distributed, "supervise", lambda *a: pytest.fail("the worker started"))
+    monkeypatch.setattr(supervision, "supervise", lambda *a: pytest.fail("the worker started"))
     flags = ["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"]
     assert cli_main(["run", *flags]) == 2
     err = capsys.readouterr().err
@@ -283,7 +283,7 @@ def test_bad_timeouts_are_usage_errors_before_the_worker_starts(name, value, mes
 def test_the_worker_exit_code_passes_through_the_child():
     """abandon(2) in a worker (a usage error) leaves the child with exit code 2
     and no traceback."""
-    p = subprocess.run([sys.executable, "-c", "from k3jax.distributed import _child_main; "
-                        "_child_main()", "k3jax.distributed:abandon", "2"],
+    p = subprocess.run([sys.executable, "-c", "from k3jax.runtime.supervision import child_main; "
+                        "child_main()", "k3jax.runtime.supervision:abandon", "2"],
                        capture_output=True, text=True, timeout=120, env=base_env())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr

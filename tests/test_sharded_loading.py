@@ -184,9 +184,9 @@ def _worker(port: int, process_id: int, ckpt: str, out: str) -> None:
     """One of two processes: load the layer, record reads and peak host memory."""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
-    from k3jax import distributed
-    spec = distributed.ProcessSpec(f"127.0.0.1:{port}", 2, process_id)
-    distributed.initialize(spec)
+    from k3jax.runtime import startup
+    spec = startup.ProcessSpec(f"127.0.0.1:{port}", 2, process_id)
+    startup.initialize(spec)
     parallel = ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
                               shard_shared_expert=True)
     mesh = make_mesh(parallel, jax.devices())

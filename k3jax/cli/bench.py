@@ -146,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
     base, source = config_from_args(args)
 
     request_devices(args.devices or DEFAULT_CPU_DEVICES)   # a no-op once JAX has started
-    from k3jax.bench import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
+    from benchmarks.token_sweep import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
     from k3jax.files import atomic_write
 
     devices, simulated = _select_devices(args)

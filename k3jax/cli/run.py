@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 
-from k3jax import distributed
 from k3jax.cli.common import (
     BACKENDS,
     DTYPES,
@@ -30,6 +29,7 @@ from k3jax.cli.common import (
     request_devices,
     require_devices,
 )
+from k3jax.runtime import agreement, startup, supervision
 
 DEFAULT_TOKENS = 7
 DEFAULT_SEED = 0
@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                         "sm_80+, else XLA), xla, pallas, interpret, triton")
     add_device_flags(p)
     add_parallel_flags(p)
-    distributed.add_distributed_flags(p)
+    startup.add_distributed_flags(p)
     p.set_defaults(main=main)
 
 
@@ -80,39 +80,39 @@ def main(args: argparse.Namespace, prog: str) -> int:
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    if spec is not None:  # the work runs in a supervised child: see k3jax.distributed
+    if spec is not None:  # the work runs in a supervised child: see k3jax.runtime.supervision
         payload = {k: v for k, v in vars(args).items() if k != "main"}
-        return distributed.supervise(f"{__name__}:worker_main", {**payload, "prog": prog}, spec, prog)
+        return supervision.supervise(f"{__name__}:worker_main", {**payload, "prog": prog}, spec, prog)
     return report_errors(lambda: _run(args), prog)
 
 
 def worker_main(payload: dict) -> int:
-    """One process of a multi-process run (the child that distributed.supervise starts)."""
+    """One process of a multi-process run (the child that supervision.supervise starts)."""
     prog = payload.pop("prog")
     args = argparse.Namespace(**payload)
     args_spec = _process_spec(args)
     try:
         return _run(args, args_spec)
-    except distributed.ProcessMismatchError as e:  # every process raises it: a normal exit
+    except agreement.ProcessMismatchError as e:  # every process raises it: a normal exit
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        distributed.abandon(2)
+        supervision.abandon(2)
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {distributed.explain_error(e, args_spec)}", file=sys.stderr)
-        distributed.abandon(1)
+        print(f"{prog}: error: {supervision.explain_error(e, args_spec)}", file=sys.stderr)
+        supervision.abandon(1)
 
 
-def _process_spec(args: argparse.Namespace) -> distributed.ProcessSpec | None:
+def _process_spec(args: argparse.Namespace) -> startup.ProcessSpec | None:
     try:
-        return distributed.spec_from_args(args.coordinator_address, args.num_processes,
-                                          args.process_id)
+        return startup.spec_from_args(args.coordinator_address, args.num_processes,
+                                      args.process_id)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def _check_flags(args: argparse.Namespace, spec: distributed.ProcessSpec | None) -> int:
+def _check_flags(args: argparse.Namespace, spec: startup.ProcessSpec | None) -> int:
     """Validate the flags before any JAX set-up; return the devices this process simulates."""
     num_devices = args.devices or ((args.dp or 1) * args.tp)
     parallel_from_args(args, args.devices)
@@ -189,12 +189,12 @@ def _load_input(path: str | None, hidden: int) -> np.ndarray:
     return x
 
 
-def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) -> int:
+def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> int:
     local_devices = _check_flags(args, spec)
     parallel = parallel_from_args(args, args.devices)
     request_devices(local_devices)
     if spec is not None:
-        distributed.initialize(spec)
+        startup.initialize(spec)
     leader = spec is None or spec.is_leader
     say = print if leader else (lambda *a, **k: None)
 
@@ -233,7 +233,7 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
-        x_dev = jnp.asarray(x) if spec is None else distributed.replicated(x, mesh)
+        x_dev = jnp.asarray(x) if spec is None else agreement.replicated(x, mesh)
         t0 = time.perf_counter()
         y = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
         first = time.perf_counter() - t0
@@ -251,7 +251,7 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
     if spec is None:
         y_host = np.asarray(jax.device_get(y), dtype=np.float32)
     else:  # every process takes part in the gather; process 0 reports and writes
-        y_host = distributed.gather(y).astype(np.float32)
+        y_host = agreement.gather(y).astype(np.float32)
     if not np.all(np.isfinite(y_host)):
         raise RuntimeError("the forward produced NaN or inf; no output written")
     if not leader:
@@ -285,7 +285,7 @@ def _run(args: argparse.Namespace, spec: distributed.ProcessSpec | None = None) 
 
 
 def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
-               spec: distributed.ProcessSpec | None, prefix: str) -> dict[str, np.ndarray] | None:
+               spec: startup.ProcessSpec | None, prefix: str) -> dict[str, np.ndarray] | None:
     """{"input": dx, checkpoint name: gradient} as float32 on the host, each
     name as the checkpoint spells it (``prefix``: its "language_model." or "").
     In a multi-process run every process takes part in the gathers; process 0
@@ -295,12 +295,12 @@ def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
 
     from k3jax.grads import checkpoint_tensors, layer_grads
 
-    dy_dev = jnp.asarray(dy) if spec is None else distributed.replicated(dy, mesh)
+    dy_dev = jnp.asarray(dy) if spec is None else agreement.replicated(dy, mesh)
     g = layer_grads(module, x_dev, dy_dev)
 
     def host(a) -> np.ndarray:
         a = a.astype(jnp.float32)
-        return np.asarray(jax.device_get(a)) if spec is None else distributed.gather(a)
+        return np.asarray(jax.device_get(a)) if spec is None else agreement.gather(a)
 
     dx = host(g.dx_TD)
     weights = {path: host(v) for path, v in sorted(g.weights.items())}
@@ -323,7 +323,7 @@ def _save_gradients(path: str, grads: dict[str, np.ndarray]) -> None:
     print(f"wrote {path}: {len(grads)} float32 gradients ('input' and {len(grads) - 1} weights)")
 
 
-def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, path: str):
+def _agree(args: argparse.Namespace, spec: startup.ProcessSpec, parallel, path: str):
     """Open the checkpoint and the input, then check that every process has
     the same run (flags, config, checkpoint files, input) before any device work."""
     import hashlib
@@ -343,11 +343,11 @@ def _agree(args: argparse.Namespace, spec: distributed.ProcessSpec, parallel, pa
                  "repeat": str(args.repeat),
                  "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
                  "checkpoint files": reader.fingerprint(),
-                 "input": distributed.fingerprint_array(x),
-                 "cotangent": "-" if opened[4] is None else distributed.fingerprint_array(opened[4])}
+                 "input": agreement.fingerprint_array(x),
+                 "cotangent": "-" if opened[4] is None else agreement.fingerprint_array(opened[4])}
     except (UsageError, ValueError, OSError) as e:
         error = str(e)
-    distributed.check_agreement(spec, items, error)
+    agreement.check_agreement(spec, items, error)
     return opened
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_kernels.py --smoke runs on the CPU (xla vs interpret) and
-writes the JSON / markdown the full GPU run writes."""
+"""benchmarks.kernel_sweep --smoke runs on the CPU (xla vs interpret) and
+writes the JSON / markdown the full GPU run writes; benchmarks.lower_check and
+benchmarks.model_rows run their slices of the sweep without a GPU."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import sys
 import jax
 import pytest
 
+from benchmarks import kernel_sweep, measure
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SCRIPT = os.path.join(_REPO, "benchmarks", "gpu_kernels.py")
-_PLOT = os.path.join(_REPO, "benchmarks", "plot_gpu_kernels.py")
+_SWEEP = [sys.executable, "-m", "benchmarks.kernel_sweep"]
+_LOWER = [sys.executable, "-m", "benchmarks.lower_check"]
+_MODEL = [sys.executable, "-m", "benchmarks.model_rows"]
+_PLOT = [sys.executable, "-m", "benchmarks.plot_gpu_kernels"]
 
 
 def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, _SCRIPT, "--smoke", "--json", str(out_json),
+    proc = subprocess.run([*_SWEEP, "--smoke", "--json", str(out_json),
                            "--markdown", str(out_md)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=_REPO, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,7 +52,7 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     assert "MXFP4 experts" in markdown
 
     png = tmp_path / "bench.png"
-    plot = subprocess.run([sys.executable, _PLOT, str(out_json), "-o", str(png)],
+    plot = subprocess.run([*_PLOT, str(out_json), "-o", str(png)], cwd=_REPO,
                           capture_output=True, text=True, timeout=120, check=False)
     assert plot.returncode == 0, plot.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -59,18 +64,11 @@ def test_benchmark_smoke_writes_json_and_markdown(tmp_path):
     (lambda d: (d / "y.json").write_text('{"meta": {}}') and d / "y.json", "missing"),
 ])
 def test_plot_rejects_bad_input_with_exit_2(tmp_path, make_input, culprit):
-    proc = subprocess.run([sys.executable, _PLOT, str(make_input(tmp_path)), "-o",
+    proc = subprocess.run([*_PLOT, str(make_input(tmp_path)), "-o",
                            str(tmp_path / "p.png")], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=120, cwd=_REPO, check=False)
     assert proc.returncode == 2 and culprit in proc.stderr, proc.stderr
     assert not (tmp_path / "p.png").exists()
-
-
-def _import_script():
-    sys.path.insert(0, os.path.dirname(_SCRIPT))
-    import gpu_kernels
-
-    return gpu_kernels
 
 
 def test_lower_only_lowers_the_chosen_configs_for_sm90():
@@ -79,8 +77,8 @@ def test_lower_only_lowers_the_chosen_configs_for_sm90():
     the MLP at tp 8 / T 8 lower for sm_90. Every one of the full sweep's 69
     configs is compiled through ptxas (a superset of lowering) by
     tests/test_aot_kernels.py, whose list test_the_configuration_list_is_the_benchmarks
-    ties to this script's sweep."""
-    proc = subprocess.run([sys.executable, _SCRIPT, "--lower-only", "--ep", "16", "--tokens", "16",
+    ties to this sweep."""
+    proc = subprocess.run([*_LOWER, "--ep", "16", "--tokens", "16",
                            "--tp", "8", "--mlp-tokens", "8"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           cwd=_REPO, check=False)
@@ -98,30 +96,28 @@ def test_lower_only_lowers_the_chosen_configs_for_sm90():
     (["--json", "/no/such/folder/out.json"], "--json"),
 ])
 def test_usage_errors_exit_2_naming_the_flag(argv, culprit, capsys):
-    gpu_kernels = _import_script()
     with pytest.raises(SystemExit) as exit_info:
-        gpu_kernels.parse_args(argv)
+        kernel_sweep.parse_args(argv)
     assert exit_info.value.code == 2
     assert culprit in capsys.readouterr().err
 
 
-def _wrong_down_kernel(gpu_kernels, monkeypatch):
+def _wrong_down_kernel(monkeypatch):
     """Make the check reject the "down" rows, as a wrong kernel would."""
-    real_check = gpu_kernels.check_against_reference
+    real_check = measure.check_against_reference
 
     def check(name, out, ref, valid_rows):
         if name.startswith("down"):
-            raise gpu_kernels.KernelMismatch(f"{name}: relative error 0.5 > 0.01 (injected)")
+            raise measure.KernelMismatch(f"{name}: relative error 0.5 > 0.01 (injected)")
         return real_check(name, out, ref, valid_rows)
 
-    monkeypatch.setattr(gpu_kernels, "check_against_reference", check)
+    monkeypatch.setattr(measure, "check_against_reference", check)
 
 
 def test_wrong_kernel_aborts_and_keeps_the_rows_measured_before(tmp_path, monkeypatch, capsys):
-    gpu_kernels = _import_script()
-    _wrong_down_kernel(gpu_kernels, monkeypatch)
+    _wrong_down_kernel(monkeypatch)
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
-    code = gpu_kernels.main(["--smoke", "--json", str(out_json), "--markdown", str(out_md)])
+    code = kernel_sweep.main(["--smoke", "--json", str(out_json), "--markdown", str(out_md)])
     assert code == 3 and "ABORT" in capsys.readouterr().err
     partial = json.loads(out_json.read_text())
     assert partial["meta"]["complete"] is False
@@ -132,10 +128,9 @@ def test_wrong_kernel_aborts_and_keeps_the_rows_measured_before(tmp_path, monkey
 
 
 def test_keep_going_records_the_wrong_kernel_as_an_error_row(tmp_path, monkeypatch):
-    gpu_kernels = _import_script()
-    _wrong_down_kernel(gpu_kernels, monkeypatch)
+    _wrong_down_kernel(monkeypatch)
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
-    code = gpu_kernels.main(["--smoke", "--keep-going", "--json", str(out_json),
+    code = kernel_sweep.main(["--smoke", "--keep-going", "--json", str(out_json),
                              "--markdown", str(out_md)])
     assert code == 1
     result = json.loads(out_json.read_text())
@@ -147,10 +142,10 @@ def test_keep_going_records_the_wrong_kernel_as_an_error_row(tmp_path, monkeypat
 
 
 def test_model_only_writes_every_row_of_the_sweep_without_a_gpu(tmp_path):
-    """--model-only: the cost model's fields for each row (a K3-shape subset)."""
+    """benchmarks.model_rows: the cost model's fields for each row (a K3-shape subset)."""
     out = tmp_path / "model.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, _SCRIPT, "--model-only", "--ep", "32", "--tokens", "16",
+    proc = subprocess.run([*_MODEL, "--ep", "32", "--tokens", "16",
                            "--tp", "8", "--mlp-tokens", "8", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=_REPO,
                           check=False)
@@ -179,13 +174,12 @@ def test_model_only_writes_every_row_of_the_sweep_without_a_gpu(tmp_path):
 
 
 def test_benchmark_help(capsys):
-    gpu_kernels = _import_script()
     with pytest.raises(SystemExit) as exit_info:
-        gpu_kernels.parse_args(["--help"])
+        kernel_sweep.parse_args(["--help"])
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
     assert "--smoke" in usage and "--json" in usage and "--markdown" in usage
-    assert "--lower-only" in usage and "--keep-going" in usage
+    assert "benchmarks.lower_check" in usage and "--keep-going" in usage
 
 
 def test_device_run_script_records_the_environment_and_refuses_a_cpu(tmp_path):

@@ -4,18 +4,12 @@ targets at K3 shapes with the benchmark sweep's routing."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+from benchmarks import cases  # the sweep's cases and routing
 from pallas_kernels import cost_model
 from pallas_kernels.grouped_matmul import mosaic_sm90
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks"))
-import gpu_kernels  # noqa: E402 -- the sweep's cases and routing
 
 
 def test_counts_match_a_hand_count():
@@ -75,11 +69,11 @@ def test_decode_reads_each_active_experts_weights_about_once(ep):
     """Issue 12's target with the sweep's routing: <= 1.05 weight reads per
     active expert at 256 tokens (the hardest decode size), both ops, for the
     kernel the launcher picks (launch_cost; the row-major tiles at these sizes)."""
-    plan = gpu_kernels.FULL
-    for case in gpu_kernels.grouped_cases(plan):
+    plan = cases.FULL
+    for case in cases.grouped_cases(plan):
         if case.ep != ep or case.tokens != 256:
             continue
-        cost = cost_model.launch_cost(gpu_kernels.grouped_sizes(case), case.rows, case.k,
+        cost = cost_model.launch_cost(cases.grouped_sizes(case), case.rows, case.k,
                                       case.n, case.num_weights)
         assert cost.weight_reads_per_active_expert <= 1.05, (case.name, cost)
         assert np.isfinite(cost.predicted_us) and cost.predicted_us > 0
@@ -91,7 +85,7 @@ def test_every_mlp_row_fills_the_sms():
     at most SPLIT_TIE slower than the unsplit default tile (tp 4, T 2048: 3.9%
     slower for fill 0.96 instead of 0.86; every other row faster or equal)."""
     low = {}
-    for case in gpu_kernels.mlp_cases(gpu_kernels.FULL):
+    for case in cases.mlp_cases(cases.FULL):
         cost = cost_model.mlp_cost(case.tokens, case.d, case.f)
         plain = cost_model.mlp_cost(case.tokens, case.d, case.f,
                                     config=mosaic_sm90.default_config(case.tokens, 1, 2))

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kernel_checks.py: the on-device correctness pass. Here it
+"""benchmarks.gpu_kernel_checks: the on-device correctness pass. Here it
 runs a few of its cases in interpret mode, must flag a wrong or
 non-deterministic kernel, and every case must lower for sm_90."""
 
@@ -13,12 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_cases as kc
+from benchmarks import gpu_kernel_checks as checks
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(_REPO, "benchmarks"))
-
-import gpu_kernel_checks as checks  # noqa: E402
-
-import kernel_cases as kc  # noqa: E402
 
 SMALL = [c for c in checks.CASES if c.m <= 120 and c.dtype == checks.BF16][:3]
 
@@ -65,8 +63,8 @@ def test_every_case_lowers_for_sm90():
     (["--json", "/no/such/dir/c.json"], "--json"),
 ])
 def test_usage_errors_exit_2(argv, words):
-    proc = subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "gpu_kernel_checks.py"),
-                           *argv], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_kernel_checks", *argv],
+                          capture_output=True, text=True, timeout=120, cwd=_REPO,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=False)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 

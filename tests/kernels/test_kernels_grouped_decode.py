@@ -22,11 +22,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks"))
-import gpu_kernels  # noqa: E402 -- the sweep's cases and routing
 
 import kernel_cases as kc  # noqa: E402
+from benchmarks import cases, model_rows  # noqa: E402 -- the sweep's cases, routing and model rows
 from pallas_kernels import cost_model  # noqa: E402
 from pallas_kernels.grouped_matmul import api, mosaic_sm90  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
@@ -151,7 +149,7 @@ def _decode_rows():
     """(case, launcher's tiling) for the sweep's rows at 16, 64 and 256 tokens."""
     return [(case, cost_model.best_grouped_config(case.rows, case.k, case.n,
                                                   case.local_experts, case.num_weights))
-            for case in gpu_kernels.grouped_cases(gpu_kernels.FULL)
+            for case in cases.grouped_cases(cases.FULL)
             if case.tokens in (16, 64, 256)]
 
 
@@ -159,7 +157,7 @@ def _lean_rows():
     """(case, x-lean tiling) for the sweep's X_TARGET_SLOWER rows."""
     return [(case, cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
                                                case.num_weights).config)
-            for case in gpu_kernels.grouped_cases(gpu_kernels.FULL)
+            for case in cases.grouped_cases(cases.FULL)
             if (case.op, case.ep, case.tokens) in X_TARGET_SLOWER]
 
 
@@ -208,7 +206,7 @@ X_TARGET_IMPOSSIBLE = {("down", 32, 256)}
 # Rows where such a candidate exists but the model predicts it (mean over the
 # proxy draws) more than DECODE_TIE slower than the row-major tiles, so the
 # launcher keeps a faster tiling and the sweep times the x-lean one beside it
-# (gpu_kernels.x_lean_config). down's (N = 3584 = 7 x 512) need C x block_w
+# (model_rows.x_lean_config). down's (N = 3584 = 7 x 512) need C x block_w
 # = 1024 or 2048, which overhangs N to 4096: the overhanging CTAs hold SMs
 # for the whole cluster tile without loading weights (+14% SM time on these
 # HBM-bound tiles in the model). gate_up EP 32 x 256 needs 192 tokens x 2 x 64
@@ -226,17 +224,17 @@ def test_model_decode_rows_x_bytes_and_weight_reads():
     the row-major kernel. X_TARGET_IMPOSSIBLE rows have no candidate that
     meets the target; X_TARGET_SLOWER rows have one, predicted over
     DECODE_TIE slower than the row-major tiles, which the sweep times beside
-    the launcher's (gpu_kernels.x_lean_config)."""
+    the launcher's (model_rows.x_lean_config)."""
     chosen = 0
     for case, cfg in _decode_rows():
-        sizes = gpu_kernels.grouped_sizes(case)
+        sizes = cases.grouped_sizes(case)
         cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
         assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
         key = (case.op, case.ep, case.tokens)
         if key in X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER:
             lean = cost_model.x_lean_candidate(case.rows, case.k, case.n,
                                                case.local_experts, case.num_weights)
-            assert (gpu_kernels.x_lean_config(case, cost.x_bytes_over_weight_bytes) is None) \
+            assert (model_rows.x_lean_config(case, cost.x_bytes_over_weight_bytes) is None) \
                 == (lean is None)
             if key in X_TARGET_IMPOSSIBLE:
                 assert lean is None, (case.name, lean)
@@ -264,10 +262,10 @@ def test_sweep_times_the_x_lean_tiling_beside_the_launchers():
     own arguments (lowered for sm_90 here); rows that meet the target, and
     X_TARGET_IMPOSSIBLE, have none."""
     lowered = set()
-    for case in gpu_kernels.grouped_cases(gpu_kernels.FULL):
-        key, sizes = (case.op, case.ep, case.tokens), gpu_kernels.grouped_sizes(case)
-        row = gpu_kernels.model_grouped(case, sizes)
-        lean = gpu_kernels.x_lean_config(case, row["x_bytes_over_weight_bytes"])
+    for case in cases.grouped_cases(cases.FULL):
+        key, sizes = (case.op, case.ep, case.tokens), cases.grouped_sizes(case)
+        row = model_rows.model_grouped(case, sizes)
+        lean = model_rows.x_lean_config(case, row["x_bytes_over_weight_bytes"])
         assert (lean is not None) == (key in X_TARGET_SLOWER) == ("x_lean" in row), key
         if lean is None:
             continue
@@ -275,7 +273,7 @@ def test_sweep_times_the_x_lean_tiling_beside_the_launchers():
         assert row["x_lean"]["x_bytes_over_weight_bytes"] <= cost_model.DECODE_X_OVER_W
         assert row["x_lean"]["predicted_us"] > row["predicted_us"], key
         if case.op not in lowered:  # one lowering per op: the signatures are the op's
-            text = kc.lower_for_sm90(gpu_kernels.decode_fn(case, lean), *case.arg_specs())
+            text = kc.lower_for_sm90(cases.decode_fn(case, lean), *case.arg_specs())
             assert "mosaic_gpu" in text, key
             lowered.add(case.op)
     assert lowered == {"gate_up_situ", "down"}

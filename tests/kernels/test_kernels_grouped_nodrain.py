@@ -195,14 +195,13 @@ def test_interpret_race_detector_finds_no_races_in_the_chain():
 
 
 def test_the_sweeps_prefill_launches_chain_their_tiles():
-    """The row-major launches of benchmarks/gpu_kernels.py at >= 1024 tokens
+    """The row-major launches of the benchmark sweep (benchmarks.cases) at >= 1024 tokens
     (K 3584 = 56 and 3072 = 48 K steps, default_config) run without a drain, so
     tests/test_aot_kernels.py's ptxas check (0 spills) compiles the chained
     kernel: fused 1/2/3-consumer tiles at 4 stages, plain prefill at 3."""
-    sys.path.insert(0, os.path.join(kc._REPO_ROOT, "benchmarks"))
-    import gpu_kernels
+    from benchmarks import cases
     plans = {}
-    for case in gpu_kernels.grouped_cases(gpu_kernels.FULL):
+    for case in cases.grouped_cases(cases.FULL):
         if case.tokens >= 1024:
             plan = mosaic_sm90.plan_launch(case.rows, case.k, case.n, case.local_experts,
                                            case.num_weights, BF16, BF16)

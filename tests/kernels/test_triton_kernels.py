@@ -299,9 +299,8 @@ def test_entry_point_validation():
 def test_benchmark_triton_configs_lower_for_sm90():
     """The benchmark's Triton rows (bf16 and MXFP4 grouped, MLP) at the smoke
     plan's shapes lower for sm_90 through jax-triton (the GPU run's pre-flight)."""
-    sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
-    import gpu_kernels
+    from benchmarks import cases, lower_check
 
-    assert gpu_kernels.lower_all_triton(gpu_kernels.SMOKE) == 0
-    labels = {c.label for c in gpu_kernels.grouped_cases(gpu_kernels.SMOKE, mxfp4=True)}
+    assert lower_check.lower_all_triton(cases.SMOKE) == 0
+    labels = {c.label for c in cases.grouped_cases(cases.SMOKE, mxfp4=True)}
     assert labels == {"gate_up_situ", "down", "gate_up_situ_mxfp4", "down_mxfp4"}

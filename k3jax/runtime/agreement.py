@@ -1,0 +1,103 @@
+"""What every process of a run must agree on, and host arrays across processes.
+
+:func:`check_agreement` publishes each process's identity of the run (flags,
+config, checkpoint fingerprint, input hash, or the error that stopped it) in
+the coordination service's key-value store under ``k3jax/agreement/<id>``,
+reads every other process's, and raises :class:`ProcessMismatchError` naming
+each item that differs and its value on each process. Every process computes
+the same message from the same views, so all of them fail alike. It needs no
+devices, so it works even when the processes would build different meshes.
+
+:func:`replicated` and :func:`gather` move host arrays onto and off a mesh
+that spans every process; both are collective (every process calls them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+import numpy as np
+
+from k3jax.runtime.startup import DistributedError, ProcessSpec, init_timeout_s
+
+_AGREEMENT_KEY = "k3jax/agreement/"
+
+
+class ProcessMismatchError(DistributedError):
+    """The processes were started with different flags or files (every
+    process raises it, with the same message)."""
+
+
+def _client():
+    from jax._src import distributed as jax_distributed  # the client jax.distributed started
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise DistributedError("jax.distributed is not initialized")
+    return client
+
+
+def fingerprint_array(x: np.ndarray) -> str:
+    """dtype, shape and a content hash: equal only for equal arrays."""
+    digest = hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()[:16]
+    return f"{x.dtype}{list(x.shape)} sha256:{digest}"
+
+
+def check_agreement(spec: ProcessSpec, items: Mapping[str, str] | None,
+                    error: str | None = None) -> None:
+    """Compare ``items`` (what must be equal, by name) across all processes.
+
+    A process that could not compute its items passes ``error`` instead;
+    every process then reports it. Waits at most K3JAX_INIT_TIMEOUT s for each
+    peer's view. Raises ProcessMismatchError, the same in every process,
+    naming what differs and each process's value."""
+    client = _client()
+    mine = json.dumps({"error": error, "items": dict(items or {})}, sort_keys=True)
+    client.key_value_set(f"{_AGREEMENT_KEY}{spec.process_id}", mine)
+    timeout_ms = init_timeout_s() * 1000
+    views = {}
+    for p in range(spec.num_processes):
+        views[p] = json.loads(client.blocking_key_value_get(f"{_AGREEMENT_KEY}{p}", timeout_ms))
+    message = describe_disagreement(views)
+    if message:
+        raise ProcessMismatchError(message)
+
+
+def describe_disagreement(views: Mapping[int, Mapping]) -> str | None:
+    """One line naming each failed process and each differing item, or None.
+
+    ``views``: process id -> {"error": str | None, "items": {name: value}}; an
+    item one process lacks reads "(missing)" there."""
+    failed = [f"process {p} failed: {v['error']}" for p, v in sorted(views.items()) if v["error"]]
+    if failed:
+        return "; ".join(failed)
+    names: list[str] = []
+    for v in views.values():
+        names += [n for n in v["items"] if n not in names]
+    differing = []
+    for name in names:
+        values = {p: v["items"].get(name, "(missing)") for p, v in sorted(views.items())}
+        if len(set(values.values())) > 1:
+            differing.append(f"{name} (" + ", ".join(f"process {p}: {val}"
+                                                     for p, val in values.items()) + ")")
+    if not differing:
+        return None
+    return ("the processes disagree on " + "; ".join(differing)
+            + "; start every process with the same flags, checkpoint files and input")
+
+
+def replicated(x: np.ndarray, mesh):
+    """The same host array on every device of ``mesh`` (every process passes
+    its own, equal, copy)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, PartitionSpec()),
+                                        lambda index: x[index])
+
+
+def gather(array) -> np.ndarray:
+    """The whole global ``array`` on every process (a collective: every
+    process must call it)."""
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
