@@ -19,6 +19,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
+from pallas_kernels import interpret_compat  # noqa: E402
+
+# Interpret-mode kernels on up to 8 devices: XLA:CPU's pools hold their waits.
+interpret_compat.reserve_pool_threads(8)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: heavy interpret-mode and multi-process runs")
+
 
 @pytest.fixture
 def eight_devices():
