@@ -34,6 +34,8 @@ device's program and every simulated warpgroup) needs a thread, plus one for
 the work they wait on: ``pool_threads_needed``. ``reserve_pool_threads`` sets
 PJRT_NPROC before the backend starts; a kernel that finds the pools smaller
 raises PoolTooSmallError naming the size to set, before anything waits.
+Collectives need no bound here: XLA:CPU ends a rendezvous that waits past
+its own timeout (xla_cpu_collective_call_terminate_timeout_seconds).
 
 Stalls. Every interpreter wait is bounded by ``stall_timeout_s()``: an mbarrier
 wait, an all-device meeting or the end-of-kernel clean-up that waits longer
@@ -114,16 +116,14 @@ def pool_threads_needed(num_devices: int, threads_per_device: int) -> int:
 def reserve_pool_threads(num_devices: int) -> None:
     """Before the CPU backend starts: set PJRT_NPROC to what kernels on
     ``num_devices`` simulated devices need (never lower than the default; a
-    PJRT_NPROC already set stands). Raises PoolTooSmallError once the backend
-    has started with too few threads."""
+    PJRT_NPROC already set stands). Once the backend has started the pools
+    are fixed, and each kernel checks what it needs when it starts."""
     needed = pool_threads_needed(num_devices, MAX_THREADS_PER_DEVICE)
-    have = xla_pool_threads()
-    if have >= needed or POOL_ENV in os.environ:
+    if xla_pool_threads() >= needed or POOL_ENV in os.environ:
         return
     from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
-        raise PoolTooSmallError(_pool_message(num_devices, MAX_THREADS_PER_DEVICE, needed, have))
-    os.environ[POOL_ENV] = str(needed)
+    if not xla_bridge.backends_are_initialized():
+        os.environ[POOL_ENV] = str(needed)
 
 
 def take_error_line() -> str | None:

@@ -7,8 +7,8 @@ skips) when fewer devices exist.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tiny shapes: XLA:CPU's LLVM optimisation costs more than it saves (about 40%
-# of the suite's CPU time). Subprocesses started by tests inherit it.
+# Tiny shapes: XLA:CPU's LLVM optimisation costs more than it saves.
+# Subprocesses started by tests inherit it.
 _FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if _FAST_CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_CPU_FLAGS).strip()
