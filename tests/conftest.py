@@ -7,8 +7,8 @@ skips) when fewer devices exist.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tiny shapes: XLA:CPU's LLVM optimisation costs more than it saves (about 40%
-# of the suite's CPU time). Subprocesses started by tests inherit it.
+# Tiny shapes: XLA:CPU's LLVM optimisation costs more than it saves.
+# Subprocesses started by tests inherit it.
 _FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if _FAST_CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_CPU_FLAGS).strip()
@@ -18,6 +18,15 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
+
+from pallas_kernels import interpret_compat  # noqa: E402
+
+# Interpret-mode kernels on up to 8 devices: XLA:CPU's pools hold their waits.
+interpret_compat.reserve_pool_threads(8)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: heavy interpret-mode and multi-process runs")
 
 
 @pytest.fixture

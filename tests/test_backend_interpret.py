@@ -38,8 +38,7 @@ TOL_XLA = 1e-5      # float32 XLA vs float64 (measured <= 5.9e-7)
 TOL_KERNEL = 5e-5   # bf16x3 kernels (measured <= 7.9e-6); = tests/kernels TOL_F32_KERNEL
 LAYOUTS = {
     "single": ["--devices", "1"],
-    # SP + EP on 2 devices: with 8, interpret mode's nested XLA executions
-    # deadlock XLA:CPU's thread pool on a 2-core host about one run in two.
+    # SP + EP on 2 devices (tests/test_interpret_hang_runs.py runs 8, in a fresh process)
     "sp_ep": ["--devices", "2", "--tp", "2", "--sequence-parallel", "--expert-parallel",
               "--shard-shared-expert"],
     # plain TP (experts and the dense/shared MLP column-sharded, one all-reduce)

@@ -21,6 +21,7 @@ from k3jax.cli.common import (
     request_devices,
 )
 from k3jax.layout import DEFAULT_SHARED_OVERLAP, SharedOverlap
+from pallas_kernels import interpret_compat
 
 DEFAULT_CPU_DEVICES = 8
 DEFAULT_CPU_SCALE = 16
@@ -146,6 +147,8 @@ def _bench(args: argparse.Namespace) -> int:
     base, source = config_from_args(args)
 
     request_devices(args.devices or DEFAULT_CPU_DEVICES)   # a no-op once JAX has started
+    if args.backend == "interpret":
+        interpret_compat.reserve_pool_threads(args.devices or DEFAULT_CPU_DEVICES)
     from benchmarks.token_sweep import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
     from k3jax.files import atomic_write
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from k3jax.config import PRESETS, K3Config, from_hf_config, preset
 from k3jax.files import atomic_write, check_writable
 from k3jax.layout import DEFAULT_SHARED_OVERLAP, ParallelConfig, SharedOverlap
+from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKENDS = ("auto", "xla", "pallas", "interpret", "triton")
@@ -71,14 +72,15 @@ def check_backend(backend: str, platform: str) -> None:
 
 def report_errors(work: Callable[[], int], prog: str) -> int:
     """Run a sub-command's ``work``; a UsageError exits 2, a runtime error
-    (ValueError, OSError, RuntimeError) exits 1, each with one line on stderr."""
+    (ValueError, OSError, RuntimeError) exits 1, each with one line on stderr
+    (a stalled or under-threaded interpret-mode kernel: its own message)."""
     try:
         return work()
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {interpret_compat.take_error_line() or e}", file=sys.stderr)
         return 1
 
 

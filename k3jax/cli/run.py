@@ -30,6 +30,7 @@ from k3jax.cli.common import (
     require_devices,
 )
 from k3jax.runtime import agreement, startup, supervision
+from pallas_kernels import interpret_compat
 
 DEFAULT_TOKENS = 7
 DEFAULT_SEED = 0
@@ -193,6 +194,8 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     local_devices = _check_flags(args, spec)
     parallel = parallel_from_args(args, args.devices)
     request_devices(local_devices)
+    if args.backend == "interpret":
+        interpret_compat.reserve_pool_threads(local_devices)
     if spec is not None:
         startup.initialize(spec)
     leader = spec is None or spec.is_leader
