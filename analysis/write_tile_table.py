@@ -6,10 +6,11 @@
 
 Inputs: the K3 shapes the benchmarks run (benchmarks/gpu_kernels.py's grouped
 and MLP sweeps, at every power-of-two token count up to 16384 so that M
-buckets are dense, and the shared / dense MLP widths at tp 1, 4, 8) plus the
-launcher-dispatched shapes of benchmarks/gpu_kernel_checks.py, with the
-search's targets (tile_search.TARGETS) and the hardware numbers
-(pallas_kernels.hardware.H200), all named in the table's header.
+buckets are dense, and the shared / dense MLP widths at tp 1, 4, 8), the tiny
+preset's on up to 8 devices, and the launcher-dispatched shapes of
+benchmarks/gpu_kernel_checks.py, with the search's targets
+(tile_search.TARGETS) and the hardware numbers (pallas_kernels.hardware.H200),
+all named in the table's header.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from analysis import kernel_cost
 from analysis.tile_search import TARGETS, SearchTargets, best_grouped_config, best_mlp_config
-from k3jax.config import K3
+from k3jax.config import K3, TINY, K3Config
 from pallas_kernels.grouped_matmul import tile_choice
 
 COMMAND = "python -m analysis.write_tile_table"
@@ -32,27 +33,75 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
                           "pallas_kernels", "grouped_matmul", "tile_table.py")
 
 
+def _powers_of_two(count: int) -> tuple[int, ...]:
+    return tuple(2 ** i for i in range(count))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShapes:
+    """One model's launches. Grouped: the routed experts' gate/up (K = latent,
+    N = intermediate / expert_tp, two weights) and down (K and N swapped, one
+    weight), tokens x top_k rows over num_experts / ep groups. MLP: x [tokens,
+    hidden] @ [hidden, F / tp] for F in mlp_widths (shared experts, dense layer)."""
+
+    name: str
+    latent: int
+    inter: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    mlp_widths: tuple[int, ...]
+    eps: tuple[int, ...]
+    expert_tps: tuple[int, ...]
+    tokens: tuple[int, ...]
+    mlp_tps: tuple[int, ...]
+    mlp_tokens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, cfg: K3Config, **shards) -> ModelShapes:
+        return cls(name=name, latent=cfg.routed_expert_hidden_size, inter=cfg.moe_intermediate_size,
+                   num_experts=cfg.num_experts, top_k=cfg.num_experts_per_token,
+                   hidden=cfg.hidden_size,
+                   mlp_widths=(cfg.shared_intermediate_size, cfg.intermediate_size), **shards)
+
+    def grouped_keys(self, dtype: str) -> list[tuple]:
+        keys = []
+        for ep in self.eps:
+            for tp in self.expert_tps:
+                inter = self.inter // tp
+                for k, n, w in ((self.latent, inter, 2), (inter, self.latent, 1)):
+                    keys += [("grouped", t * self.top_k, k, n, self.num_experts // ep, w, dtype)
+                             for t in self.tokens]
+        return keys
+
+    def mlp_keys(self, dtype: str) -> list[tuple]:
+        return [("mlp", t, self.hidden, width // tp, 1, 2, dtype)
+                for width in self.mlp_widths for tp in self.mlp_tps for t in self.mlp_tokens]
+
+    def describe(self) -> list[str]:
+        return [f"  {self.name}: latent {self.latent}, intermediate {self.inter} / expert tp "
+                f"{list(self.expert_tps)}, {self.num_experts} experts / EP {list(self.eps)}, "
+                f"top_k {self.top_k}; tokens {list(self.tokens)} (M = tokens x top_k);",
+                f"    MLP hidden {self.hidden}, widths {list(self.mlp_widths)} / tp "
+                f"{list(self.mlp_tps)}, tokens {list(self.mlp_tokens)}"]
+
+
+# The benchmarks' K3 shapes (the device sweep runs EP 8 / 16 / 32 and tp 1 / 4 / 8).
+K3_SHAPES = ModelShapes.of("K3", K3, eps=(8, 16, 32), expert_tps=(1,), tokens=_powers_of_two(15),
+                           mlp_tps=(1, 4, 8), mlp_tokens=_powers_of_two(15))
+# The tiny preset the CLI and the layout tests run, on up to 8 devices.
+TINY_SHAPES = ModelShapes.of("TINY", TINY, eps=(1, 2, 4, 8), expert_tps=(1, 2, 4, 8),
+                             tokens=_powers_of_two(9), mlp_tps=(1, 2, 4, 8),
+                             mlp_tokens=_powers_of_two(9))
+
+
 @dataclasses.dataclass(frozen=True)
 class TableInputs:
-    """The shapes the table holds.
+    """The shapes the table holds: each model's (ModelShapes) in every dtype,
+    and the kernel check cases' rows (extra_grouped: (M, K, N, groups,
+    num_weights, dtype); extra_mlp: (tokens, D, F, dtype))."""
 
-    grouped: K3's routed experts, gate/up (K = routed hidden, N = expert
-    intermediate, two weights) and down (K and N swapped, one weight), with
-    tokens x top_k rows over num_experts / EP groups; mlp: x [tokens, hidden]
-    @ [hidden, F / tp] for F the shared experts' and the dense layer's
-    widths; extra_grouped / extra_mlp: (M, K, N, groups, num_weights, dtype)
-    and (tokens, D, F, dtype) rows of the kernel check cases."""
-
-    latent: int = K3.routed_expert_hidden_size
-    inter: int = K3.moe_intermediate_size
-    num_experts: int = K3.num_experts
-    top_k: int = K3.num_experts_per_token
-    eps: tuple[int, ...] = (8, 16, 32)
-    tokens: tuple[int, ...] = tuple(2 ** i for i in range(15))
-    mlp_hidden: int = K3.hidden_size
-    mlp_widths: tuple[int, ...] = (K3.shared_intermediate_size, K3.intermediate_size)
-    tps: tuple[int, ...] = (1, 4, 8)
-    mlp_tokens: tuple[int, ...] = tuple(2 ** i for i in range(15))
+    models: tuple[ModelShapes, ...] = (K3_SHAPES, TINY_SHAPES)
     dtypes: tuple[str, ...] = ("bfloat16",)
     extra_grouped: tuple[tuple[int, int, int, int, int, str], ...] = (
         *((300, 256, 256, 8, w, d) for w in (1, 2) for d in ("bfloat16", "float32")),
@@ -69,17 +118,13 @@ class TableInputs:
 
     def grouped_keys(self) -> list[tuple]:
         """Table keys ("grouped", M, K, N, groups, num_weights, dtype)."""
-        ops = ((self.latent, self.inter, 2), (self.inter, self.latent, 1))
-        keys = [("grouped", t * self.top_k, k, n, self.num_experts // ep, w, d)
-                for d in self.dtypes for ep in self.eps for k, n, w in ops for t in self.tokens]
+        keys = [key for d in self.dtypes for model in self.models for key in model.grouped_keys(d)]
         keys += [("grouped", *row) for row in self.extra_grouped]
         return list(dict.fromkeys(keys))
 
     def mlp_keys(self) -> list[tuple]:
         """Table keys ("mlp", tokens, D, F, 1, 2, dtype)."""
-        keys = [("mlp", t, self.mlp_hidden, width // tp, 1, 2, d)
-                for d in self.dtypes for width in self.mlp_widths for tp in self.tps
-                for t in self.mlp_tokens]
+        keys = [key for d in self.dtypes for model in self.models for key in model.mlp_keys(d)]
         keys += [("mlp", t, dd, f, 1, 2, d) for t, dd, f, d in self.extra_mlp]
         return list(dict.fromkeys(keys))
 
@@ -111,12 +156,8 @@ def header(inputs: TableInputs, targets: SearchTargets) -> str:
         "'mlp', **the config's fields}.",
         "",
         "Inputs:",
-        f"  grouped: K3 routed experts, latent {inputs.latent}, intermediate {inputs.inter},",
-        f"    {inputs.num_experts} experts, top_k {inputs.top_k}; EP sizes {list(inputs.eps)};",
-        f"    tokens {list(inputs.tokens)} (M = tokens x top_k); dtypes {list(inputs.dtypes)}",
-        f"  mlp: hidden {inputs.mlp_hidden}, widths {list(inputs.mlp_widths)} / tp for tp "
-        f"{list(inputs.tps)};",
-        f"    tokens {list(inputs.mlp_tokens)}",
+        *[line for model in inputs.models for line in model.describe()],
+        f"  dtypes {list(inputs.dtypes)}",
         f"  kernel check shapes: grouped {[list(r) for r in inputs.extra_grouped]}",
         f"    mlp {[list(r) for r in inputs.extra_mlp]}",
         f"  proxy routings: numpy default_rng seeds {list(targets.proxy_seeds)} (uniform",
@@ -132,7 +173,7 @@ def header(inputs: TableInputs, targets: SearchTargets) -> str:
 def render(entries: dict[tuple, dict], inputs: TableInputs, targets: SearchTargets) -> str:
     """The table module's source."""
     rows = "".join(f"    {key!r}: {entry!r},\n" for key, entry in entries.items())
-    return header(inputs, targets) + "\nTILES = {\n" + rows + "}\n"
+    return header(inputs, targets) + "# ruff: noqa: E501\n\nTILES = {\n" + rows + "}\n"
 
 
 def write(path: str = TABLE_PATH, inputs: TableInputs = INPUTS, targets: SearchTargets = TARGETS,

@@ -145,7 +145,7 @@ SWEEP_TOKENS = (16, 64, 256)  # the device sweep's decode token counts (benchmar
 def _k3_rows(tokens=None):
     """(op, key, entry) of the table's K3 routed-expert rows (at ``tokens``
     x top_k rows, or all), op "gate_up_situ" (two weights) or "down"."""
-    inp = write_tile_table.INPUTS
+    inp = write_tile_table.K3_SHAPES
     out = []
     for key, entry in tile_table.TILES.items():
         op, m, k, n, _, num_w, _ = key
@@ -168,12 +168,16 @@ def _swap_ab_tilings(tokens=None):
 
 def _lean_tilings():
     """{(op, tiling): key}: the x-lean tiling (tile_search.x_lean_candidate)
-    of each of the table's K3 rows at the sweep's decode token counts: the
-    device sweep times it beside the launcher's where the launcher's misses
-    the x target (a superset of what it times)."""
+    of each of the table's K3 rows at the sweep's decode token counts whose
+    own launch misses the search's x / weight-reads targets on some proxy
+    routing: the device sweep times it beside the launcher's."""
     seen = {}
-    for op, key, _ in _k3_rows(SWEEP_TOKENS):
+    for op, key, entry in _k3_rows(SWEEP_TOKENS):
         _, m, k, n, groups, num_w, dtype = key
+        pick = tile_choice.row_config(entry)
+        costs = tile_search.candidate_costs(m, k, n, groups, num_w, dtype)
+        if next(c for c in costs if c.config == pick).meets(tile_search.TARGETS):
+            continue
         lean = tile_search.x_lean_candidate(m, k, n, groups, num_w, dtype)
         if lean is not None:
             seen.setdefault((op, lean.config), key)
