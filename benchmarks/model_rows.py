@@ -1,6 +1,6 @@
 """The static cost model's prediction for every row of the kernel sweep (no GPU).
 
-For each row of benchmarks.cases' sweep, what pallas_kernels/cost_model.py
+For each row of benchmarks.cases' sweep, what analysis/kernel_cost.py
 predicts from the kernel's own schedule on the sweep's routing: tiles, SM
 fill, weight reads per active expert, x bytes over weight bytes, rows
 computed per useful row, predicted time, beside XLA's dense ragged_dot and
@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 
+from analysis import kernel_cost, tile_search
 from benchmarks.bench_report import describe_tiles, write_atomically
 from benchmarks.cases import (
     FULL,
@@ -34,10 +35,9 @@ from benchmarks.cases import (
     mlp_cases,
     plan_from_args,
 )
-from pallas_kernels import cost_model
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode
 
-# The x-lean range: x at most cost_model.DECODE_X_OVER_W of the weight bytes up to this many tokens.
+# The x-lean range: x at most tile_search.TARGETS.x_over_w of the weight bytes up to this many tokens.
 X_TARGET_MAX_TOKENS = 256
 
 
@@ -45,14 +45,14 @@ def x_lean_config(case: GroupedCase,
                   pick_x_over_w: float) -> mosaic_sm90_decode.DecodeConfig | None:
     """The decode tiling timed beside the launcher's where, at up to
     X_TARGET_MAX_TOKENS tokens, the launcher's loads x over
-    cost_model.DECODE_X_OVER_W of its weight bytes (pick_x_over_w: its
+    tile_search.TARGETS.x_over_w of its weight bytes (pick_x_over_w: its
     model_grouped row's x_bytes_over_weight_bytes on this routing)
-    (cost_model.x_lean_candidate; None if the launcher's meets it, or no
+    (tile_search.x_lean_candidate; None if the launcher's meets it, or no
     tiling does, or the weights are MXFP4)."""
     if (case.mxfp4 or case.tokens > X_TARGET_MAX_TOKENS
-            or pick_x_over_w <= cost_model.DECODE_X_OVER_W):
+            or pick_x_over_w <= tile_search.TARGETS.x_over_w):
         return None
-    lean = cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
+    lean = tile_search.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
                                        case.num_weights)
     return None if lean is None else lean.config
 
@@ -62,11 +62,11 @@ def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     the launcher picks, named in its config), with the targets' ratios; where
     x_lean_config gives a tiling, "x_lean" is its prediction on the same
     routing (config, predicted_us, x / w, weight reads, SM fill)."""
-    cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights,
+    cost = kernel_cost.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights,
                                   mxfp4=case.mxfp4)
     lean = x_lean_config(case, cost.x_bytes_over_weight_bytes)
     if lean is not None:
-        lean_cost = cost_model.decode_cost(sizes, case.rows, case.k, case.n, case.num_weights,
+        lean_cost = kernel_cost.swap_ab_cost(sizes, case.rows, case.k, case.n, case.num_weights,
                                            config=lean)
         x_lean = {key: lean_cost.fields()[key] for key in (
             "config", "predicted_us", "x_bytes_over_weight_bytes",
@@ -75,20 +75,20 @@ def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:
     useful_flops = 2.0 * case.rows * case.k * case.n * case.num_weights
     # MXFP4 rows: the packed bytes (0.53125 B per parameter) are the weight traffic
     weight_bytes = (17 / 32 if case.mxfp4 else 2.0) * active * case.k * case.n * case.num_weights
-    xla_s = cost_model.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
+    xla_s = kernel_cost.xla_ragged_dot_dense_s(case.rows, case.k, case.n, case.local_experts,
                                               case.num_weights)
     seconds = cost.predicted_us * 1e-6
     return {**cost.fields(),
-            "pct_dense": 100 * useful_flops / seconds / cost_model.DENSE_BF16_FLOPS,
-            "pct_copy": 100 * weight_bytes / seconds / cost_model.COPY_BYTES_PER_S,
+            "pct_dense": 100 * useful_flops / seconds / kernel_cost.DENSE_BF16_FLOPS,
+            "pct_copy": 100 * weight_bytes / seconds / kernel_cost.COPY_BYTES_PER_S,
             "xla_ragged_dot_dense_us": xla_s * 1e6, "speedup_vs_xla_dense": xla_s / seconds,
             **({} if lean is None else {"x_lean": x_lean})}
 
 
 def model_mlp(case: MlpCase) -> dict:
     """The cost model's prediction for one MLP row, beside XLA's roofline."""
-    cost = cost_model.mlp_cost(case.tokens, case.d, case.f)
-    xla_s = cost_model.xla_mlp_roofline_s(case.tokens, case.d, case.f)
+    cost = kernel_cost.launch_mlp_cost(case.tokens, case.d, case.f)
+    xla_s = kernel_cost.xla_mlp_roofline_s(case.tokens, case.d, case.f)
     return {**cost.fields(), "xla_roofline_us": xla_s * 1e6,
             "speedup_vs_xla_roofline": xla_s / (cost.predicted_us * 1e-6)}
 
@@ -102,12 +102,12 @@ def model_all(plan: Plan) -> dict:
                 **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan, mxfp4=True)]
     mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
             **model_mlp(c)} for c in mlp_cases(plan)]
-    return {"meta": {"model": "pallas_kernels/cost_model.py", "num_sms": cost_model.H200_NUM_SMS,
-                     "dense_bf16_flops": cost_model.DENSE_BF16_FLOPS,
-                     "copy_bytes_per_s": cost_model.COPY_BYTES_PER_S,
-                     "tile_overhead_s": cost_model.TILE_OVERHEAD_S, "top_k": plan.top_k,
-                     "mxfp4_decode_ops_per_param": cost_model.MXFP4_DECODE_OPS_PER_PARAM,
-                     "sm_lane_ops_per_s": cost_model.SM_LANE_OPS_PER_S,
+    return {"meta": {"model": "analysis/kernel_cost.py", "num_sms": kernel_cost.H200_NUM_SMS,
+                     "dense_bf16_flops": kernel_cost.DENSE_BF16_FLOPS,
+                     "copy_bytes_per_s": kernel_cost.COPY_BYTES_PER_S,
+                     "tile_overhead_s": kernel_cost.TILE_OVERHEAD_S, "top_k": plan.top_k,
+                     "mxfp4_dequant_ops_per_param": kernel_cost.MXFP4_DEQUANT_OPS_PER_PARAM,
+                     "sm_lane_ops_per_s": kernel_cost.SM_LANE_OPS_PER_S,
                      "num_experts": plan.num_experts},
             "grouped": grouped, "mlp": mlp}
 

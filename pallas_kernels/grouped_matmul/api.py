@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, mosaic_sm90_decode, mxfp4_vjp, vjp
+from pallas_kernels.grouped_matmul import (
+    blocked,
+    mosaic_sm90,
+    mosaic_sm90_decode,
+    mxfp4_vjp,
+    tile_choice,
+    vjp,
+)
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.situ import check_betas
 
@@ -172,16 +179,15 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
 
 
 def decode_config(x_MK, w_GKN, num_weights: int) -> mosaic_sm90_decode.DecodeConfig | None:
-    """The Mosaic launch's kernel: mosaic_sm90_decode's tiles where the H200
-    cost model predicts them faster (cost_model.best_grouped_config: decode
-    sizes, up to 64 rows per group), else None (mosaic_sm90's tiles)."""
-    from pallas_kernels import cost_model  # imports this package's kernels
+    """The Mosaic launch's kernel: the swap-AB tiles (mosaic_sm90_decode) the
+    committed tile table holds for this shape (tile_choice.grouped_config),
+    else None (mosaic_sm90's row-major tiles)."""
     m, k = x_MK.shape
     num_groups, _, n = w_GKN.shape
     if m == 0 or n == 0:
         return None
-    return cost_model.best_grouped_config(m, k, n, num_groups, num_weights,
-                                          jnp.result_type(x_MK, w_GKN).name)
+    return tile_choice.grouped_config(m, k, n, num_groups, num_weights,
+                                      jnp.result_type(x_MK, w_GKN).name)
 
 
 _FORWARDS = vjp.GroupedForwards(plain=_grouped_matmul_forward, fused=_grouped_situ_glu_forward)

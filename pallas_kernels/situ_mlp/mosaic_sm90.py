@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cost_model
 from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
+from pallas_kernels.grouped_matmul import tile_choice
 
 
 def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: float,
@@ -25,14 +25,14 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
                 interpret: bool | grouped.plgpu.InterpretGPUParams = False) -> jax.Array:
     """x_TD [T, D], gate_DF / up_DF [D, F] -> h_TF [T, F] = situ_glu(x@gate, x@up).
 
-    Dense shapes: D = 7168 (K), F = 6144 / tp (N). config=None uses the fused
-    grouped tile (one or two consumers), N width and split-K that
-    cost_model.best_mlp_config picks: the fastest predicted H200 launch that
-    fills >= 90% of the SMs (split-K where too few tiles fill them).
+    Dense shapes: D = 7168 (K), F = 6144 / tp (N). config=None uses the
+    tiles the committed tile table holds for this shape (tile_choice.mlp_config:
+    the fused grouped tile, one or two consumers, N width and split-K), else
+    the grouped kernel's default tiles.
     """
     if config is None and x_TD.shape[0] > 0:
-        config = cost_model.best_mlp_config(x_TD.shape[0], x_TD.shape[1], gate_DF.shape[1],
-                                            dtype=jnp.result_type(x_TD, gate_DF, up_DF))
+        config = tile_choice.mlp_config(x_TD.shape[0], x_TD.shape[1], gate_DF.shape[1],
+                                        jnp.result_type(x_TD, gate_DF, up_DF).name)
     all_rows_1 = np.full((1,), x_TD.shape[0], np.int32)  # static: exact schedule
     return grouped.grouped_situ_glu(x_TD, gate_DF[None], up_DF[None], all_rows_1,
                                     beta=beta, linear_beta=linear_beta, config=config,

@@ -185,3 +185,22 @@ def spy_decode_launches(monkeypatch) -> list:
         return orig(*args, **kwargs)
     monkeypatch.setattr(dec, "_grouped_call", spy)
     return calls
+
+
+def use_tile_rows(monkeypatch, rows: dict) -> None:
+    """Replace the launchers' committed tile table with ``rows`` ({key: config
+    or None for the row-major tiles}) for one test."""
+    import dataclasses
+    import functools
+
+    from pallas_kernels.grouped_matmul import mosaic_sm90_decode, tile_choice, tile_table
+
+    def entry(cfg):
+        if cfg is None:
+            return {"kernel": tile_choice.ROW_MAJOR}
+        kind = (tile_choice.SWAP_AB if isinstance(cfg, mosaic_sm90_decode.DecodeConfig)
+                else tile_choice.MLP)
+        return {"kernel": kind, **dataclasses.asdict(cfg)}
+    monkeypatch.setattr(tile_table, "TILES", {key: entry(cfg) for key, cfg in rows.items()})
+    # a fresh index over the patched rows; the committed table's comes back after the test
+    monkeypatch.setattr(tile_choice, "_index", functools.cache(tile_choice._index.__wrapped__))

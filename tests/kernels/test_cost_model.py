@@ -1,15 +1,21 @@
-"""pallas_kernels/cost_model.py: the static H200 model replays the kernel's
-schedule (hand-counted cases), and the tiles it picks meet issue 12's static
-targets at K3 shapes with the benchmark sweep's routing."""
+"""analysis.kernel_cost and analysis.shared_latency: the models' own
+arithmetic against hand counts (tiles, bytes, flops, SM fill, the chained
+launch's overhead, the split-K tiles), and the one hardware description
+both read. What the tile search picks is not tested (the table's currency
+is: tests/kernels/test_tile_table.py)."""
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+import math
+
+import jax.numpy as jnp
 import pytest
 
-from benchmarks import cases  # the sweep's cases and routing
-from pallas_kernels import cost_model
+from analysis import kernel_cost, shared_latency, tile_search
+from k3jax.config import K3
 from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.hardware import H200
 
 
 def test_counts_match_a_hand_count():
@@ -18,7 +24,7 @@ def test_counts_match_a_hand_count():
     2 N-blocks = 6 tiles; 3 x 64 rows computed for 68 useful rows; each tile
     loads 64 x 256 of x per 256 x 128 of weights (x/w = 0.5)."""
     cfg = mosaic_sm90.TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=2)
-    cost = cost_model.grouped_cost([65, 3], 68, 256, 256, 1, config=cfg)
+    cost = kernel_cost.grouped_cost([65, 3], 68, 256, 256, 1, config=cfg)
     assert cost.tiles == 6
     assert cost.weight_reads_per_active_expert == pytest.approx(1.5)
     assert cost.rows_computed_per_useful_row == pytest.approx(3 * 64 / 68)
@@ -31,11 +37,11 @@ def test_sm_fill_counts_the_busiest_cta():
     fill every SM; 133 leave one CTA with two. Traced sizes: the table's
     W-bound slack items are idle loop steps that unbalance the CTAs."""
     cfg = mosaic_sm90.TileConfig(num_compute_wgs=1, block_n=128, max_concurrent_steps=2)
-    full = cost_model.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg, static_sizes=True)
+    full = kernel_cost.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg, static_sizes=True)
     assert full.tiles == 264 and full.sm_fill == pytest.approx(1.0)
-    ragged = cost_model.grouped_cost([64], 64, 256, 128 * 133, 1, config=cfg, static_sizes=True)
+    ragged = kernel_cost.grouped_cost([64], 64, 256, 128 * 133, 1, config=cfg, static_sizes=True)
     assert ragged.tiles == 133 and ragged.sm_fill == pytest.approx(133 / 264)
-    traced = cost_model.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg)
+    traced = kernel_cost.grouped_cost([64], 64, 256, 128 * 264, 1, config=cfg)
     assert traced.tiles == 264 and traced.sm_fill < 1.0
 
 
@@ -43,54 +49,84 @@ def test_no_drain_pays_the_tile_overhead_once_per_cta():
     """264 equal tiles on 132 CTAs, K 256 = 4 K steps: at 2 stages every tile
     drains (two overheads per CTA); at 4 stages (4 divides 4) the launch
     chains them (LaunchPlan.no_drain) and pays one, for the CTA's first tile."""
-    costs = {stages: cost_model.grouped_cost(
+    costs = {stages: kernel_cost.grouped_cost(
         [64], 64, 256, 128 * 264, 1, static_sizes=True,
         config=mosaic_sm90.TileConfig(num_compute_wgs=1, block_n=128,
                                       max_concurrent_steps=stages)) for stages in (2, 4)}
     assert not costs[2].config["no_drain"] and costs[4].config["no_drain"]
     assert costs[4].predicted_us == pytest.approx(
-        costs[2].predicted_us - cost_model.TILE_OVERHEAD_S * 1e6)
+        costs[2].predicted_us - kernel_cost.TILE_OVERHEAD_S * 1e6)
     assert costs[4].sm_fill == pytest.approx(1.0)
 
 
-def test_split_k_fills_the_sms_for_the_decode_mlp():
-    """tp 8 (F 768) at 8 tokens: 6 tiles without split-K; the chosen split
-    fills >= 0.9 of the SMs and the model predicts it faster."""
-    cfg = cost_model.best_mlp_config(8, 7168, 768)
-    assert cfg.split_k > 1
-    split = cost_model.mlp_cost(8, 7168, 768, config=cfg)
-    plain = cost_model.mlp_cost(8, 7168, 768, config=mosaic_sm90.default_config(8, 1, 2))
-    assert plain.tiles == 6 and split.sm_fill >= 0.9
-    assert split.predicted_us < plain.predicted_us / 4
+def test_split_k_multiplies_the_tiles_and_adds_the_reduction():
+    """tp 8's MLP (D 7168, F 768) at 8 tokens on one-consumer 128-wide tiles:
+    6 N-blocks, one item; split-K S gives 6 S tiles, stores f32 partials
+    (8 rows x 128 x 4 B x 2 weights a tile) and XLA's reduction reads S f32
+    partials of the padded output and writes the bf16 output."""
+    base = dataclasses.replace(mosaic_sm90.FUSED_DECODE, block_n=128)
+    plain = kernel_cost.mlp_cost(8, 7168, 768, config=base)
+    split = kernel_cost.mlp_cost(8, 7168, 768, config=dataclasses.replace(base, split_k=4))
+    assert plain.tiles == 6 and split.tiles == 24
+    assert split.flops == pytest.approx(plain.flops)
+    assert split.weight_bytes == pytest.approx(plain.weight_bytes)
+    launch = mosaic_sm90.plan_launch(8, 7168, 768, 1, 2, jnp.bfloat16, jnp.bfloat16, base)
+    stores = 24 * 8 * 128 * 4 * 2
+    reduce = 4 * 8 * launch.n_pad * 4 * 2 + 8 * launch.n_pad * 2
+    assert split.out_bytes == pytest.approx(stores + reduce)
+    assert plain.out_bytes == pytest.approx(6 * 8 * 128 * 2 * 1)
 
 
-@pytest.mark.parametrize("ep", [8, 16, 32])
-def test_decode_reads_each_active_experts_weights_about_once(ep):
-    """Issue 12's target with the sweep's routing: <= 1.05 weight reads per
-    active expert at 256 tokens (the hardest decode size), both ops, for the
-    kernel the launcher picks (launch_cost; the row-major tiles at these sizes)."""
-    plan = cases.FULL
-    for case in cases.grouped_cases(plan):
-        if case.ep != ep or case.tokens != 256:
-            continue
-        cost = cost_model.launch_cost(cases.grouped_sizes(case), case.rows, case.k,
-                                      case.n, case.num_weights)
-        assert cost.weight_reads_per_active_expert <= 1.05, (case.name, cost)
-        assert np.isfinite(cost.predicted_us) and cost.predicted_us > 0
+def test_roofline_takes_the_longer_of_compute_and_memory():
+    assert kernel_cost.roofline_s(2e12, 1.0) == pytest.approx(2e12 / H200.dense_bf16_flops_per_s)
+    assert kernel_cost.roofline_s(1.0, 4e9) == pytest.approx(4e9 / H200.hbm_copy_bytes_per_s)
+    assert kernel_cost.roofline_s(1.0, 4e9, active_sms=66) == pytest.approx(
+        2 * 4e9 / H200.hbm_copy_bytes_per_s)
 
 
-def test_every_mlp_row_fills_the_sms():
-    """Issue 12's target for every MLP row of the sweep (tp 1 / 4 / 8, T 8 to
-    2048): the tiles situ_mlp_up launches fill >= 0.9 of the SMs, predicted
-    at most SPLIT_TIE slower than the unsplit default tile (tp 4, T 2048: 3.9%
-    slower for fill 0.96 instead of 0.86; every other row faster or equal)."""
-    low = {}
-    for case in cases.mlp_cases(cases.FULL):
-        cost = cost_model.mlp_cost(case.tokens, case.d, case.f)
-        plain = cost_model.mlp_cost(case.tokens, case.d, case.f,
-                                    config=mosaic_sm90.default_config(case.tokens, 1, 2))
-        assert np.isfinite(cost.predicted_us), case
-        assert cost.predicted_us <= plain.predicted_us * (1 + cost_model.SPLIT_TIE), case
-        if cost.sm_fill < cost_model.SM_FILL_TARGET:
-            low[case.name] = (cost.sm_fill, cost.config)
-    assert not low, low
+def test_both_models_read_the_one_hardware_description():
+    assert kernel_cost.DENSE_BF16_FLOPS == shared_latency.H200.matmul_flops_per_s \
+        == H200.dense_bf16_flops_per_s
+    assert kernel_cost.COPY_BYTES_PER_S == shared_latency.H200.hbm_bytes_per_s \
+        == H200.hbm_copy_bytes_per_s
+    assert kernel_cost.H200_NUM_SMS == H200.num_sms
+    assert kernel_cost.SM_LANE_OPS_PER_S == H200.sm_lane_ops_per_s
+    assert shared_latency.H200.link_bytes_per_s == H200.nvlink_peak_bytes_per_s
+    assert shared_latency.H200.collective_latency_s == H200.collective_latency_s
+
+
+def test_shared_latency_counts_match_a_hand_count():
+    """Replicated at tp 4, 1000 tokens: R = 250 rows, up [250, 7168] @
+    [7168, 2F] and down [250, F] @ [F, 7168], each its roofline; sharded adds
+    the all-gather and reduce-scatter (bf16 rows + f32 sums) over the link."""
+    T, tp, D, F = 1000, 4, K3.hidden_size, K3.shared_intermediate_size
+    hw = shared_latency.H200
+    rep = shared_latency.estimate(K3, T, tp, shared_latency.SharedForm.REPLICATED)
+    R = math.ceil(T / tp)
+    flops = 2.0 * R * D * 2 * F + 2.0 * R * F * D
+    assert rep.flops == flops and rep.wire_bytes == 0 and rep.exposed_comm_s == 0
+    up_bytes = 2.0 * (D * 2 * F + R * D) + 2 * R * 2 * F
+    down_bytes = 2.0 * (F * D + R * F) + 2 * R * D
+    assert rep.hbm_bytes == up_bytes + down_bytes
+    assert rep.compute_s == pytest.approx(
+        max(2.0 * R * D * 2 * F / hw.matmul_flops_per_s, up_bytes / hw.hbm_bytes_per_s)
+        + max(2.0 * R * F * D / hw.matmul_flops_per_s, down_bytes / hw.hbm_bytes_per_s))
+    sharded = shared_latency.estimate(K3, T, tp, shared_latency.SharedForm.SHARDED)
+    wire = (tp - 1) * (R * D * 2 + R * D * 4)
+    assert sharded.wire_bytes == wire
+    assert sharded.exposed_comm_s == pytest.approx(2 * hw.collective_latency_s
+                                                   + wire / hw.link_bytes_per_s)
+
+
+def test_search_targets_are_validated():
+    with pytest.raises(ValueError, match="x_over_w"):
+        tile_search.SearchTargets(x_over_w=0.0)
+    with pytest.raises(ValueError, match="proxy seed"):
+        tile_search.SearchTargets(proxy_seeds=())
+
+
+def test_proxy_routings_are_the_seeded_multinomials():
+    draws = tile_search.proxy_group_sizes(1000, 7, seeds=(3, 5))
+    assert len(draws) == 2 and all(int(d.sum()) == 1000 and d.shape == (7,) for d in draws)
+    again = tile_search.proxy_group_sizes(1000, 7, seeds=(5,))
+    assert (again[0] == draws[1]).all()

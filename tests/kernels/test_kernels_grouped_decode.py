@@ -1,14 +1,9 @@
-"""mosaic_sm90_decode: the transposed decode kernel (weights on WGMMA's M side)
-in GPU interpret mode vs a float64 numpy loop, its sm_90a ptxas compile
-(0 spills) for the tiles the launcher picks at the sweep's decode shapes
-(CTA clusters included; their interpret cases: test_kernels_grouped_decode_cluster.py), and
-the cost model's decode figures (issue 12's x <= 10% of weight bytes).
-
-Measured on the 2-core host, nothing else running: the whole file ~165 s
-(the ptxas test 104 s: the launcher's choice for 18 sweep rows and the lean
-candidate of the 5 X_TARGET_SLOWER rows, then one compile per distinct
-tiling, clusters and overhanging N included; the model test 10 s after it
-(the choices are cached), 42 s alone; the interpret cases 31 s).
+"""mosaic_sm90_decode: the swap-AB kernel (weights on WGMMA's M side) in GPU
+interpret mode vs a float64 numpy loop, the sm_90a ptxas compile (0 spills)
+of the swap-AB tilings the tile table holds at the sweep's decode shapes and
+of the x-lean tilings the device sweep times beside them (CTA clusters
+included; their interpret cases: test_kernels_grouped_decode_cluster.py), the
+cost model's swap-AB arithmetic, and the launcher's dispatch on the table.
 """
 
 from __future__ import annotations
@@ -24,9 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
-from benchmarks import cases, model_rows  # noqa: E402 -- the sweep's cases, routing and model rows
-from pallas_kernels import cost_model  # noqa: E402
-from pallas_kernels.grouped_matmul import api, mosaic_sm90  # noqa: E402
+from analysis import kernel_cost, tile_search, write_tile_table  # noqa: E402
+from pallas_kernels.grouped_matmul import api, mosaic_sm90, tile_choice, tile_table  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -145,45 +139,67 @@ def test_bad_decode_tiles_are_rejected():
                         DecodeConfig(num_compute_wgs=2, wg_block_w=256, block_t=64))
 
 
-def _decode_rows():
-    """(case, launcher's tiling) for the sweep's rows at 16, 64 and 256 tokens."""
-    return [(case, cost_model.best_grouped_config(case.rows, case.k, case.n,
-                                                  case.local_experts, case.num_weights))
-            for case in cases.grouped_cases(cases.FULL)
-            if case.tokens in (16, 64, 256)]
+SWEEP_TOKENS = (16, 64, 256)  # the device sweep's decode token counts (benchmarks/gpu_kernels.py)
 
 
-def _lean_rows():
-    """(case, x-lean tiling) for the sweep's X_TARGET_SLOWER rows."""
-    return [(case, cost_model.x_lean_candidate(case.rows, case.k, case.n, case.local_experts,
-                                               case.num_weights).config)
-            for case in cases.grouped_cases(cases.FULL)
-            if (case.op, case.ep, case.tokens) in X_TARGET_SLOWER]
+def _k3_rows(tokens=None):
+    """(op, key, entry) of the table's K3 routed-expert rows (at ``tokens``
+    x top_k rows, or all), op "gate_up_situ" (two weights) or "down"."""
+    inp = write_tile_table.K3_SHAPES
+    out = []
+    for key, entry in tile_table.TILES.items():
+        op, m, k, n, _, num_w, _ = key
+        if op != "grouped" or (k, n) not in ((inp.latent, inp.inter), (inp.inter, inp.latent)):
+            continue
+        if tokens is None or m in {t * inp.top_k for t in tokens}:
+            out.append(("gate_up_situ" if num_w == 2 else "down", key, entry))
+    return out
 
 
-def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
-    """Every decode tiling the launcher picks for the sweep's K3 decode rows
-    (EP 8/16/32, both ops), and the lean tiling of each X_TARGET_SLOWER row
-    (down's overhang N = 3584: the last cluster group reads TMA zero fill),
-    through ptxas for sm_90a: 0 spill bytes, no serialized WGMMA warning.
-    One compile per distinct (op, tiling)."""
-    from k3jax.kernel_ptxas import ptxas_reports
+def _swap_ab_tilings(tokens=None):
+    """{(op, tiling): key}: each distinct swap-AB tiling of the table's K3 rows."""
     seen = {}
-    for case, cfg in _decode_rows() + _lean_rows():
+    for op, key, entry in _k3_rows(tokens):
+        cfg = tile_choice.row_config(entry)
         if cfg is not None:
-            seen.setdefault((case.op, cfg), case)
-    assert seen, "the launcher picked no decode tiles for the sweep's decode rows"
-    assert any(case.n % (cfg.cluster * cfg.block_w) for (_, cfg), case in seen.items())
+            seen.setdefault((op, cfg), key)
+    return seen
+
+
+def _lean_tilings():
+    """{(op, tiling): key}: the x-lean tiling (tile_search.x_lean_candidate)
+    of each of the table's K3 rows at the sweep's decode token counts whose
+    own launch misses the search's x / weight-reads targets on some proxy
+    routing: the device sweep times it beside the launcher's."""
+    seen = {}
+    for op, key, entry in _k3_rows(SWEEP_TOKENS):
+        _, m, k, n, groups, num_w, dtype = key
+        pick = tile_choice.row_config(entry)
+        costs = tile_search.candidate_costs(m, k, n, groups, num_w, dtype)
+        if next(c for c in costs if c.config == pick).meets(tile_search.TARGETS):
+            continue
+        lean = tile_search.x_lean_candidate(m, k, n, groups, num_w, dtype)
+        if lean is not None:
+            seen.setdefault((op, lean.config), key)
+    return seen
+
+
+def _compile_without_spills(tilings) -> None:
+    """Each (op, tiling) at its key's shapes through ptxas for sm_90a: 0
+    spill bytes, no serialized WGMMA warning."""
+    from k3jax.kernel_ptxas import ptxas_reports
     S = jax.ShapeDtypeStruct
-    for (op, cfg), case in seen.items():
-        specs = case.arg_specs()
+    for (op, cfg), (_, m, k, n, groups, _, dtype) in tilings.items():
+        x, w, sizes = S((m, k), dtype), S((groups, k, n), dtype), S((groups,), jnp.int32)
         if op == "gate_up_situ":
             def fn(x, a, b, s, cfg=cfg):
                 return dec.grouped_situ_glu(x, a, b, s, config=cfg, **SITU)
+            specs = (x, w, w, sizes)
         else:
             def fn(x, w, s, cfg=cfg):
                 return dec.grouped_matmul(x, w, s, config=cfg)
-        reports = ptxas_reports(fn, *[S(a.shape, a.dtype) for a in specs])
+            specs = (x, w, sizes)
+        reports = ptxas_reports(fn, *specs)
         assert reports, (op, cfg)
         for rep in reports:
             assert "decode" in rep.name, rep
@@ -191,92 +207,20 @@ def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
             assert not any("serializ" in w.lower() for w in rep.warnings), (op, cfg, rep)
 
 
-# Sweep rows (op, EP, tokens) where no decode candidate keeps both x <= 10%
-# of the weight bytes and <= 1.05 weight reads per active expert. x / w =
-# block_t / (num_w x block_w x C) x n_pad / N (n_pad: N rounded up to whole
-# superblocks of C x block_w; the overhanging CTAs load their x shares too).
-# down EP 32 x 256 tokens: ~146 rows a group need block_t >= 184 (mean + 3
-# sigma; a smaller tile splits most groups, ~2 reads). Mosaic's multicast
-# splits the x tile over C = 8 CTAs only if block_t / 8 is a multiple of 8,
-# so block_t = 192, and the accumulators (block_w x 192 / 256 registers a
-# consumer thread, <= MAX_CLUSTER_ACC_REGISTERS = 192) cap block_w at 256:
-# x / w >= 192 / (256 x 8) x 4096 / 3584 = 0.107. C = 4 would need block_w
-# >= 512 (384 registers).
-X_TARGET_IMPOSSIBLE = {("down", 32, 256)}
-# Rows where such a candidate exists but the model predicts it (mean over the
-# proxy draws) more than DECODE_TIE slower than the row-major tiles, so the
-# launcher keeps a faster tiling and the sweep times the x-lean one beside it
-# (model_rows.x_lean_config). down's (N = 3584 = 7 x 512) need C x block_w
-# = 1024 or 2048, which overhangs N to 4096: the overhanging CTAs hold SMs
-# for the whole cluster tile without loading weights (+14% SM time on these
-# HBM-bound tiles in the model). gate_up EP 32 x 256 needs 192 tokens x 2 x 64
-# columns in a cluster of 8: 84 cluster tiles on 16 clusters (0.85 SM fill).
-X_TARGET_SLOWER = {("down", 32, 64), ("down", 8, 256), ("down", 16, 256),
-                   ("gate_up_situ", 16, 256), ("gate_up_situ", 32, 256)}
+def test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills():
+    """Every swap-AB tiling the table holds for the sweep's K3 decode rows
+    (EP 8/16/32, both ops), and every x-lean tiling the sweep may time
+    beside them, through ptxas for sm_90a. One compile per distinct (op, tiling)."""
+    tilings = {**_swap_ab_tilings(SWEEP_TOKENS), **_lean_tilings()}
+    assert tilings, "no swap-AB tiling at the sweep's decode rows"
+    _compile_without_spills(tilings)
 
 
-def test_model_decode_rows_x_bytes_and_weight_reads():
-    """Issue 12 from the model, on the sweep's routing: every decode row the
-    launcher gives the decode kernel keeps <= 1.05 weight reads per active
-    expert; every row at 16, 64 and 256 tokens but X_TARGET_IMPOSSIBLE and
-    X_TARGET_SLOWER keeps its x bytes <= 10% of its weight bytes (clusters
-    multicast x where one CTA's tile cannot) and is predicted within 3% of
-    the row-major kernel. X_TARGET_IMPOSSIBLE rows have no candidate that
-    meets the target; X_TARGET_SLOWER rows have one, predicted over
-    DECODE_TIE slower than the row-major tiles, which the sweep times beside
-    the launcher's (model_rows.x_lean_config)."""
-    chosen = 0
-    for case, cfg in _decode_rows():
-        sizes = cases.grouped_sizes(case)
-        cost = cost_model.launch_cost(sizes, case.rows, case.k, case.n, case.num_weights)
-        assert cost.config["kernel"] == ("mosaic_sm90" if cfg is None else "mosaic_sm90_decode")
-        key = (case.op, case.ep, case.tokens)
-        if key in X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER:
-            lean = cost_model.x_lean_candidate(case.rows, case.k, case.n,
-                                               case.local_experts, case.num_weights)
-            assert (model_rows.x_lean_config(case, cost.x_bytes_over_weight_bytes) is None) \
-                == (lean is None)
-            if key in X_TARGET_IMPOSSIBLE:
-                assert lean is None, (case.name, lean)
-            else:
-                assert lean is not None, case.name
-                row_major_us = cost_model.candidate_costs(
-                    case.rows, case.k, case.n, case.local_experts, case.num_weights)[0].mean_us
-                assert lean.mean_us > row_major_us * (1 + cost_model.DECODE_TIE), (case.name, lean)
-            continue
-        assert cfg is not None, case.name
-        chosen += 1
-        assert cost.weight_reads_per_active_expert <= 1.05, (case.name, cost)
-        row_major = cost_model.grouped_cost(sizes, case.rows, case.k, case.n, case.num_weights)
-        assert cost.x_bytes_over_weight_bytes <= 0.10, (case.name, cost)
-        # The launcher compares mean times over proxy routings; on this one
-        # draw the SM fill's quantization (1 / tiles-per-SM) may cost a little.
-        assert cost.predicted_us <= row_major.predicted_us * 1.03, (case.name, cost)
-    assert chosen == 18 - len(X_TARGET_IMPOSSIBLE | X_TARGET_SLOWER)
-
-
-def test_sweep_times_the_x_lean_tiling_beside_the_launchers():
-    """Where the launcher's tiling misses x <= 10% and an x-lean one exists
-    (X_TARGET_SLOWER), the model row carries its prediction ("x_lean") and
-    the sweep's peer runs the decode kernel with that tiling on the row's
-    own arguments (lowered for sm_90 here); rows that meet the target, and
-    X_TARGET_IMPOSSIBLE, have none."""
-    lowered = set()
-    for case in cases.grouped_cases(cases.FULL):
-        key, sizes = (case.op, case.ep, case.tokens), cases.grouped_sizes(case)
-        row = model_rows.model_grouped(case, sizes)
-        lean = model_rows.x_lean_config(case, row["x_bytes_over_weight_bytes"])
-        assert (lean is not None) == (key in X_TARGET_SLOWER) == ("x_lean" in row), key
-        if lean is None:
-            continue
-        assert row["x_lean"]["config"]["block_t"] == lean.block_t
-        assert row["x_lean"]["x_bytes_over_weight_bytes"] <= cost_model.DECODE_X_OVER_W
-        assert row["x_lean"]["predicted_us"] > row["predicted_us"], key
-        if case.op not in lowered:  # one lowering per op: the signatures are the op's
-            text = kc.lower_for_sm90(cases.decode_fn(case, lean), *case.arg_specs())
-            assert "mosaic_gpu" in text, key
-            lowered.add(case.op)
-    assert lowered == {"gate_up_situ", "down"}
+@pytest.mark.slow
+def test_every_table_swap_ab_tiling_compiles_for_sm90a_without_spills():
+    """The same for the table's other K3 rows (every token count it holds)."""
+    done = {**_swap_ab_tilings(SWEEP_TOKENS), **_lean_tilings()}
+    _compile_without_spills({t: key for t, key in _swap_ab_tilings().items() if t not in done})
 
 
 def test_model_counts_match_a_hand_count():
@@ -285,7 +229,7 @@ def test_model_counts_match_a_hand_count():
     5 (tile at row 0): rows 5..7, 8..15, 16..17 -> 3 items; the tail (rows
     18..23) has no matmul. 4 items x 4 N-blocks = 16 tiles; x / w = 8 / 64."""
     cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
-    cost = cost_model.decode_cost([5, 13], 24, 256, 256, 1, config=cfg)
+    cost = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1, config=cfg)
     assert cost.tiles == 16
     assert cost.weight_reads_per_active_expert == pytest.approx(4 / 2)
     assert cost.x_bytes_over_weight_bytes == pytest.approx(8 / 64)
@@ -294,16 +238,21 @@ def test_model_counts_match_a_hand_count():
     assert cost.flops == 16 * 64 * 8 * 256 * 2
 
 
-def test_launcher_dispatch_picks_the_decode_kernel(monkeypatch):
-    """backend="interpret" runs the decode kernel where the model picks it
-    (few rows a group, N a multiple of the tile width) and matches float64."""
-    calls = kc.spy_decode_launches(monkeypatch)
+def test_launcher_dispatch_runs_the_tables_swap_ab_tiling(monkeypatch):
+    """backend="interpret" runs the swap-AB kernel with the tiling the tile
+    table holds for the shape (M rounded up to the row's bucket) and matches
+    float64; without a row the launcher takes the row-major tiles."""
     m, k, n, sizes = 24, 128, 256, np.asarray([3, 0, 5, 2, 4, 0, 1, 6], np.int32)
-    assert api.decode_config(jax.ShapeDtypeStruct((m, k), BF16),
-                             jax.ShapeDtypeStruct((8, k, n), BF16), 1) is not None
+    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
+    specs = (jax.ShapeDtypeStruct((m, k), BF16), jax.ShapeDtypeStruct((8, k, n), BF16))
+    kc.use_tile_rows(monkeypatch, {})
+    assert api.decode_config(*specs, 1) is None
+    kc.use_tile_rows(monkeypatch, {("grouped", 32, k, n, 8, 1, "bfloat16"): cfg})
+    assert api.decode_config(*specs, 1) == cfg
+    calls = kc.spy_decode_launches(monkeypatch)
     x, (w,) = kc.grouped_inputs(3, m, k, n, len(sizes), BF16, 1)
     x = kc.poison_tail(x, sizes)
     y = api.grouped_matmul(x, w, jnp.asarray(sizes), backend="interpret")
-    assert len(calls) == 1
+    assert calls == [cfg]
     kc.assert_grouped_output(y, kc.np_grouped_matmul(kc.f32(x), kc.f32(w), sizes), sizes,
                              kc.TOL_BF16, "dispatch")

@@ -4,10 +4,9 @@ range), in GPU interpret mode vs a float64 numpy loop; the multicast split
 rule and the cost model's cluster figures (x bytes / C, num_sms // C
 clusters).
 
-The sm_90a ptxas compile (0 spills) of the clustered tilings the launcher
-picks for the sweep's decode rows is test_kernels_grouped_decode.py's
-test_launcher_decode_tiles_compile_for_sm90a_without_spills (it compiles
-every tiling best_grouped_config returns, clusters included).
+The sm_90a ptxas compile (0 spills) of the clustered tilings the tile table
+holds for the sweep's decode rows is test_kernels_grouped_decode.py's
+test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills.
 
 Measured on the 2-core host, nothing else running: the whole file 56 s (the
 three interpret cases 24 + 18 + 13 s, the launcher dispatch 21 s, the
@@ -27,7 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
-from pallas_kernels import cost_model  # noqa: E402
+from analysis import kernel_cost, tile_search  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -99,8 +98,8 @@ def test_model_cluster_counts_match_a_hand_count():
     bytes halved (x / w = 8 / 64 / 2), the rest unchanged; 8 cluster tiles
     on 2 clusters of the 4 SMs run 4 each, as 16 tiles on 4 unclustered CTAs."""
     base = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
-    one = cost_model.decode_cost([5, 13], 24, 256, 256, 1, config=base, num_sms=4)
-    two = cost_model.decode_cost([5, 13], 24, 256, 256, 1,
+    one = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1, config=base, num_sms=4)
+    two = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1,
                                  config=dataclasses.replace(base, cluster=2), num_sms=4)
     assert two.tiles == one.tiles == 16
     assert two.weight_bytes == one.weight_bytes == 16 * 256 * 64 * 2
@@ -121,10 +120,10 @@ def test_model_charges_the_sms_a_cluster_size_leaves_idle():
     cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=8)
     assert not dec.plan_launch(8 * 128, 448, 512, 128, 1, jnp.bfloat16, jnp.bfloat16,
                                cfg).no_drain
-    cost = cost_model.decode_cost(sizes, 8 * 128, 448, 512, 1, config=cfg)
+    cost = kernel_cost.swap_ab_cost(sizes, 8 * 128, 448, 512, 1, config=cfg)
     assert cost.tiles == 128 * 8
     assert cost.sm_fill == pytest.approx(128 / 132)
-    unclustered = cost_model.decode_cost(sizes, 8 * 128, 448, 512, 1,
+    unclustered = kernel_cost.swap_ab_cost(sizes, 8 * 128, 448, 512, 1,
                                          config=DecodeConfig(num_compute_wgs=1, wg_block_w=64,
                                                              block_t=8))
     assert unclustered.sm_fill == pytest.approx(1024 / (132 * 8))
@@ -142,27 +141,29 @@ def test_candidates_add_the_smallest_cluster_that_meets_the_x_target():
     def x_over_w(c, cluster):
         n_pad = -(-n // (c.block_w * cluster)) * c.block_w * cluster
         return c.block_t / (2 * c.block_w * cluster) * n_pad / n
-    cands = cost_model.decode_candidates(1024, n, 56, 2)
+    cands = tile_search.swap_ab_candidates(1024, n, 56, 2)
     clustered = {(c.num_compute_wgs, c.wg_block_w, c.block_t, c.cluster)
                  for c in cands if c.cluster > 1}
     assert (2, 64, 48, 2) in clustered
     for c in cands:
         if c.cluster > 1:
-            assert x_over_w(c, c.cluster) <= cost_model.DECODE_X_OVER_W, c
-            assert x_over_w(c, c.cluster // 2) > cost_model.DECODE_X_OVER_W \
+            assert x_over_w(c, c.cluster) <= tile_search.TARGETS.x_over_w, c
+            assert x_over_w(c, c.cluster // 2) > tile_search.TARGETS.x_over_w \
                 or not dec.multicast_splits(c.block_t, 64, c.cluster // 2), c
             assert c.acc_registers(2) <= 128, c
             assert c.num_compute_wgs == 2 and 2 * c.wg_block_w <= 128, c
 
 
 def test_launcher_dispatch_runs_a_cluster_tiling(monkeypatch):
-    """backend="interpret" runs the cluster tiling the model picks (~40 rows a
-    group, N 2048: two 64-wide consumers, 64 tokens, a cluster of 8 gives
+    """backend="interpret" runs a cluster tiling the tile table holds (~40
+    rows a group, N 2048: two 64-wide consumers, 64 tokens, a cluster of 8:
     x / w = 64 / 1024) as one cluster of 8 CTAs (interpret mode has 4 "SMs")
     and matches float64, the NaN tail left out."""
     from pallas_kernels.grouped_matmul import api
-    calls = kc.spy_decode_launches(monkeypatch)
     m, k, n = 320, 128, 2048
+    cfg = DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=64, cluster=8)
+    kc.use_tile_rows(monkeypatch, {("grouped", m, k, n, 8, 1, "bfloat16"): cfg})
+    calls = kc.spy_decode_launches(monkeypatch)
     sizes = np.asarray([41, 37, 0, 45, 40, 38, 44, 35], np.int32)  # 280 of 320 rows
     x, (w,) = kc.grouped_inputs(11, m, k, n, len(sizes), BF16, 1)
     x = kc.poison_tail(x, sizes)

@@ -9,8 +9,8 @@ partly in-bounds N-block and that the overhanging copies are accepted,
 where interpret mode raises IndexError on an out-of-bounds copy it cannot fill.)
 
 The sm_90a ptxas compile (0 spills) of the overhanging x-lean tilings of
-the sweep's down rows (X_TARGET_SLOWER) is test_kernels_grouped_decode.py's
-test_launcher_decode_tiles_compile_for_sm90a_without_spills.
+the sweep's down rows is test_kernels_grouped_decode.py's
+test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills.
 
 Measured on the 2-core host, nothing else running: the whole file ~40 s
 (the three interpret cases 11-14 s each, the rest ~1 s).
@@ -29,7 +29,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
-from pallas_kernels import cost_model  # noqa: E402
+from analysis import kernel_cost, tile_search  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -113,8 +113,8 @@ def test_model_counts_in_bounds_weights_and_charges_the_overhang():
     of them; x / w rises by 512 / 448."""
     cfg = DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, cluster=4)
     sizes = [9, 14, 0, 11]
-    over = cost_model.decode_cost(sizes, 40, 1024, 448, 1, config=cfg, num_sms=8)
-    whole = cost_model.decode_cost(sizes, 40, 1024, 512, 1, config=cfg, num_sms=8)
+    over = kernel_cost.swap_ab_cost(sizes, 40, 1024, 448, 1, config=cfg, num_sms=8)
+    whole = kernel_cost.swap_ab_cost(sizes, 40, 1024, 512, 1, config=cfg, num_sms=8)
     assert over.tiles == whole.tiles
     assert over.x_bytes == whole.x_bytes
     assert over.weight_bytes == pytest.approx(whole.weight_bytes * 448 / 512)
@@ -124,7 +124,7 @@ def test_model_counts_in_bounds_weights_and_charges_the_overhang():
     # Every cluster tile holds one in-bounds 128-column CTA tile at least:
     # the busiest cluster's time is unchanged (XLA's gather reads n rows).
     def gather_us(n):
-        return 40 * n * (2 + 2) / cost_model.COPY_BYTES_PER_S * 1e6
+        return 40 * n * (2 + 2) / kernel_cost.COPY_BYTES_PER_S * 1e6
     assert over.predicted_us - gather_us(448) == pytest.approx(
         whole.predicted_us - gather_us(512))
 
@@ -136,9 +136,9 @@ def test_candidates_overhang_n_where_no_divisor_meets_the_x_target():
     overhangs N (n_pad 4096); every clustered candidate meets the target
     counting the overhanging CTAs' x shares (block_t / (block_w x C) x n_pad / N)."""
     n = 3584
-    cands = cost_model.decode_candidates(1024, n, 28, 1)
+    cands = tile_search.swap_ab_candidates(1024, n, 28, 1)
     clustered = [c for c in cands if c.cluster > 1]
     assert any(n % (c.block_w * c.cluster) for c in clustered)
     for c in clustered:
         n_pad = -(-n // (c.block_w * c.cluster)) * c.block_w * c.cluster
-        assert c.block_t / (c.block_w * c.cluster) * n_pad / n <= cost_model.DECODE_X_OVER_W, c
+        assert c.block_t / (c.block_w * c.cluster) * n_pad / n <= tile_search.TARGETS.x_over_w, c

@@ -45,7 +45,7 @@ def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
 # Split-K (f32 partials summed by XLA, SiTU after the sum): 16 K steps in 3
 # ranges of 5 / 5 / 6 steps (two pipeline lengths), rows past one tile; each
 # K range stores only its items' rows. One consumer with 64-wide N, and the
-# two-consumer tile with 32-wide N (cost_model.best_mlp_config picks both at
+# two-consumer tile with 32-wide N (the tile table holds both at
 # K3 sizes), 200 rows: the second item is moved back to end at row 200.
 @pytest.mark.parametrize("wgs,block_n,t", [(1, 64, 72), (2, 32, 200)], ids=["1wg", "2wg"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])

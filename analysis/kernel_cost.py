@@ -1,9 +1,10 @@
-"""Static cost model of the Mosaic GPU grouped kernel on an H200 (no GPU needed).
+"""Static cost model of the Mosaic GPU grouped kernels on an H200 (no GPU needed).
 
-It replays the kernel's own schedule on concrete group sizes: the launch plan
-(``mosaic_sm90.plan_launch``: fitted tiles, split-K), the work-item table
-(``mosaic_sm90.work_items_4W``), the snake order (``plgpu.planar_snake``) and
-the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
+It replays the kernels' own schedules on concrete group sizes: the launch
+plan (``mosaic_sm90.plan_launch``: fitted tiles, split-K), the work-item
+table (``mosaic_sm90.work_items_4W``), the snake order
+(``plgpu.planar_snake``) and the persistent loop's assignment of tile i to
+CTA i mod num_sms. From that:
 
   * tiles and SM fill: sum of the tiles' times / (num_sms x the busiest CTA's);
   * bytes the tiles load into SMEM (weights, x) and store (output, split-K
@@ -22,11 +23,11 @@ the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
     assumption (the producer streams the next tile's first stages while the
     consumers finish a tile, hiding the loads' latency), not measured.
 
-F = DENSE_BF16_FLOPS and B = COPY_BYTES_PER_S are this project's H200
-measurements (SPEC section 7). The per-SM bandwidth share assumes every SM
-streams at B / num_sms: a launch that leaves SMs idle is charged for it,
-which is the point of the SM-fill figure. These are predictions, not
-measurements; benchmarks/gpu_kernels.py puts measured next to them.
+F, B, the SM count and the lane rate are pallas_kernels.hardware.H200's
+(public figures, not measured here). The per-SM bandwidth share assumes
+every SM streams at B / num_sms: a launch that leaves SMs idle is charged
+for it, which is the point of the SM-fill figure. These are predictions,
+not measurements.
 """
 
 from __future__ import annotations
@@ -40,28 +41,26 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
+from pallas_kernels.hardware import H200
 
-H200_NUM_SMS = 132
-DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
-COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project's H200
+H200_NUM_SMS = H200.num_sms
+DENSE_BF16_FLOPS = H200.dense_bf16_flops_per_s
+COPY_BYTES_PER_S = H200.hbm_copy_bytes_per_s
 # Per tile: the first TMA loads' HBM latency plus the pipeline drain before
 # the next tile's loads start (an assumption, ~1 HBM round trip + issue).
 # Launches without a drain between tiles (LaunchPlan.no_drain) pay it once per
 # CTA (also an assumption).
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
-# The MXFP4 kernel's in-register decode (mosaic_sm90_mxfp4.py), counted from
+# The MXFP4 kernel's in-register dequant (mosaic_sm90_mxfp4.py), counted from
 # its source: ~20 integer / float32 operations per weight parameter (nibble
 # split, widen, scale-row select, magnitude bits, b = 0 fix, scale multiply,
 # flush, sign, cvt; ~1 for splitting x into even / odd K), one per CUDA-core
-# lane and clock; a consumer warpgroup (128 lanes) decodes while its own
-# WGMMAs wait. H200 SXM boost clock 1.98 GHz (data sheet): an assumption, not
-# measured.
-MXFP4_DECODE_OPS_PER_PARAM = 20
-SM_LANE_OPS_PER_S = 128 * 1.98e9
-SPLIT_TIE = 0.05  # best_mlp_config: predicted times this close count as a tie
-SM_FILL_TARGET = 0.9  # issue 12: every MLP launch fills >= 90% of the SMs
-SPLIT_FILL_SCREEN = 0.85  # mlp_candidates: split-K factors whose equal tiles fill less are skipped
+# lane and clock; a consumer warpgroup (128 lanes) dequantizes while its own
+# WGMMAs wait (an assumption, not measured).
+MXFP4_DEQUANT_OPS_PER_PARAM = 20
+SM_LANE_OPS_PER_S = H200.sm_lane_ops_per_s
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ class KernelCost:
         return self.x_bytes / self.weight_bytes if self.weight_bytes else 0.0
 
     def fields(self) -> dict:
-        """The JSON fields of ``--model-only`` rows."""
+        """The JSON fields of a model row (benchmarks' --model-only)."""
         return {"tiles": self.tiles, "sm_fill": round(self.sm_fill, 4),
                 "weight_reads_per_active_expert": round(self.weight_reads_per_active_expert, 4),
                 "x_bytes_over_weight_bytes": round(self.x_bytes_over_weight_bytes, 4),
@@ -117,7 +116,7 @@ _schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
 @functools.lru_cache(maxsize=4096)
 def _traced_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
     """_schedule's table for concrete sizes, once per (sizes, num_rows, block_m):
-    best_grouped_config models dozens of decode tilings that share a token tile."""
+    the tile search models dozens of swap-AB tilings that share a token tile."""
     with mosaic_sm90.host_eval():
         return np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
 
@@ -147,7 +146,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
     mxfp4=True models mosaic_sm90_mxfp4's kernel: its launch plan, weight
     tiles of 0.53125 B per parameter (packed codes + scales), and per K step
-    the decode (MXFP4_DECODE_OPS_PER_PARAM on the consumer's lanes) in series
+    the dequant (MXFP4_DEQUANT_OPS_PER_PARAM on the consumer's lanes) in series
     with that consumer's WGMMAs."""
     sizes = np.asarray(group_sizes_G, np.int64)
     if mxfp4:
@@ -181,9 +180,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     w_bytes_per_param = 17 / 32 if mxfp4 else in_bytes
     w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n
                                        * w_bytes_per_param, 0)
-    # MXFP4: each active consumer decodes the whole weight tile (in series with its WGMMAs).
-    decode_SW = (steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n, 0)
-                 * MXFP4_DECODE_OPS_PER_PARAM / SM_LANE_OPS_PER_S) if mxfp4 else 0.0
+    # MXFP4: each active consumer dequantizes the whole weight tile (in series with its WGMMAs).
+    dequant_SW = (steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n, 0)
+                 * MXFP4_DEQUANT_OPS_PER_PARAM / SM_LANE_OPS_PER_S) if mxfp4 else 0.0
     # Stores: the item's rows (split-K: f32 partials, one per weight and K range).
     o_SW = np.broadcast_to(count_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
     # HBM traffic of a tile: its weights when it is its group's first item
@@ -196,7 +195,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     # The MXFP4 kernel drains every tile; mosaic_sm90 launches may chain them.
     no_drain = not mxfp4 and launch.no_drain
     tile_overhead = 0.0 if no_drain else TILE_OVERHEAD_S
-    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops + decode_SW,
+    time_SW = np.where(count_W > 0, np.maximum(flops_SW / per_sm_flops + dequant_SW,
                                                hbm_SW / per_sm_bw) + tile_overhead, 0.0)
 
     # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
@@ -228,10 +227,10 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                 "no_drain": no_drain})
 
 
-def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
-                dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
-                num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """Model one launch of the transposed decode kernel (mosaic_sm90_decode):
+def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
+                 dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
+                 num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """Model one launch of the swap-AB kernel (mosaic_sm90_decode):
     weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
     conventions as grouped_cost; "rows computed" counts the block_t token
     columns of every matmul tile, and the output is the per-item transposed
@@ -327,262 +326,45 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                 "no_drain": plan.no_drain})
 
 
-# best_grouped_config prefers a decode launch that keeps x <= DECODE_X_OVER_W
-# of the weight bytes (issue 12) when it is predicted no more than DECODE_TIE
-# slower than the row-major tiles: the model's SM-fill quantization moves
-# predictions by ~1 / tiles-per-SM (a few %), and its roofline does not
-# credit the L2 -> SMEM x traffic the lean tilings save.
-DECODE_X_OVER_W = 0.10
-DECODE_MAX_READS = 1.05  # weight reads per active expert (issue 12)
-DECODE_TIE = 0.02
-DECODE_SPLITS = (1, 2, 3, 4)  # split-K choices the decode candidates take
-PROXY_DRAWS = 16
 
 
-def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
-    """Routed group sizes the launcher plans with (it sees traced sizes):
-    PROXY_DRAWS fixed-seed uniform multinomial draws of num_rows rows over
-    num_groups groups."""
-    return [np.random.default_rng(seed).multinomial(
-        num_rows, np.full(num_groups, 1.0 / num_groups)).astype(np.int32)
-        for seed in range(PROXY_DRAWS)]
-
-
-def decode_candidates(m: int, n: int, num_groups: int,
-                      num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
-    """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
-    rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths
-    whose accumulators take <= 128 registers a thread and divide N; empty
-    above MAX_DECODE_ROWS. Each tiling unclustered and, where
-    its x tile is over DECODE_X_OVER_W of its weight tiles, in the smallest
-    cluster C that brings it under, with the token tile raised (in steps of
-    8) to the first one whose x tile splits over C CTAs (accumulators <=
-    MAX_CLUSTER_ACC_REGISTERS = 192 registers where N holds two superblocks
-    or more: the clustered kernel's producer then keeps 24,
-    mosaic_sm90_decode.memory_registers, and its tiles drain). C x
-    block_w need not divide N: the last superblock
-    overhangs N (the kernel reads zero fill past N, no weight padding) and
-    its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
-    x block_w x C) x n_pad / N); decode_cost charges their tiles. In the
-    model a larger cluster only costs (idle SMs when C does not divide
-    num_sms, fewer and coarser cluster tiles). Clusters only with two consumers of <= 128
-    accumulator columns (num_weights x wg_block_w) each: ptxas for sm_90a
-    (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
-    tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster
-    2); two of 2 x 64 columns at 32-192 tokens, clusters 2-8, did not."""
-    rows = mosaic_sm90_decode.expected_rows(m, num_groups)
-    if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
-        return []
-    mean = m / num_groups
-    low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
-                                mosaic_sm90.X_ROW_ALIGN)
-    high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
-    max_acc = mosaic_sm90_decode.MAX_ACC_REGISTERS
-    max_cluster_acc = mosaic_sm90_decode.MAX_CLUSTER_ACC_REGISTERS
-    tilings = []
-    for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
-        for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
-            cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
-                                                  block_t=block_t)
-            if n % cfg.block_w or cfg.acc_registers(num_weights) > max_cluster_acc:
-                continue
-            if cfg.acc_registers(num_weights) <= max_acc:
-                tilings.append(cfg)
-            if (block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w or wgs == 1
-                    or num_weights * wg_w > 128):
-                continue
-            for c in mosaic_sm90_decode.CLUSTER_SIZES[1:]:
-                t = next(t for t in range(block_t, mosaic_sm90_decode.MAX_BLOCK_T + 1, 8)
-                         if mosaic_sm90_decode.multicast_splits(t, 64, c))
-                clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
-                # x / w of the launch: the overhanging CTAs load their x shares too.
-                n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
-                acc = clustered.acc_registers(num_weights)
-                # Wide accumulators only over >= 2 superblocks: with one, ptxas
-                # spilled 8 + 8 bytes (2 x 64 x 192, cluster 8, N = 1024; 0 at 2048, 3072).
-                if ((acc <= max_acc or (acc <= max_cluster_acc and n_pad >= 2 * c * cfg.block_w))
-                        and t * n_pad <= DECODE_X_OVER_W * num_weights * cfg.block_w * c * n):
-                    tilings.append(clustered)
-                    break
-    return [dataclasses.replace(cfg, split_k=s) for cfg in dict.fromkeys(tilings)
-            for s in DECODE_SPLITS]
-
-
-@dataclasses.dataclass(frozen=True)
-class CandidateCost:
-    """One launch candidate of a grouped product, costed on every
-    proxy_group_sizes draw."""
-
-    config: mosaic_sm90_decode.DecodeConfig | None  # None: mosaic_sm90's row-major tiles
-    mean_us: float  # mean predicted time over the draws
-    worst_x_over_w: float  # the largest x bytes / weight bytes of a draw
-    worst_reads: float  # the most weight reads per active expert of a draw
-
-    @property
-    def meets_decode_targets(self) -> bool:
-        """x <= DECODE_X_OVER_W of the weight bytes and <= DECODE_MAX_READS
-        weight reads per active expert on every draw (issue 12's targets)."""
-        return self.worst_x_over_w <= DECODE_X_OVER_W and self.worst_reads <= DECODE_MAX_READS
-
-
-@functools.lru_cache(maxsize=256)
-def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
-                    dtype_name: str = "bfloat16",
-                    num_sms: int = H200_NUM_SMS) -> tuple[CandidateCost, ...]:
-    """The row-major tiles (first) and every decode_candidates tiling that
-    fits (K ranges at least the pipeline, SMEM), each over the proxy draws:
-    each candidate's time is its mean over them (the SM fill of a few
-    hundred tiles jumps by up to 1 / tiles-per-SM with the item count, so one
-    draw decides little)."""
-    dtype = jnp.dtype(dtype_name)
-    draws = proxy_group_sizes(m, num_groups)
-
-    def over_draws(config, cost_fn) -> CandidateCost:
-        costs = [cost_fn(sizes) for sizes in draws]
-        return CandidateCost(config, float(np.mean([c.predicted_us for c in costs])),
-                             max(c.x_bytes_over_weight_bytes for c in costs),
-                             max(c.weight_reads_per_active_expert for c in costs))
-
-    with mosaic_sm90.host_eval():
-        costs = [over_draws(None, lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
-                                                         num_sms=num_sms))]
-        for cfg in decode_candidates(m, n, num_groups, num_weights):
-            try:
-                costs.append(over_draws(cfg, lambda s, cfg=cfg: decode_cost(
-                    s, m, k, n, num_weights, dtype=dtype, config=cfg, num_sms=num_sms)))
-            except ValueError:  # K ranges shorter than the pipeline, or SMEM overflow
-                continue
-    return tuple(costs)
-
-
-@functools.lru_cache(maxsize=256)
-def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
-                        dtype_name: str = "bfloat16",
-                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
-    """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
-    or None for mosaic_sm90's row-major default tiles, from candidate_costs.
-    The fastest decode tiling that meets the decode targets (x <=
-    DECODE_X_OVER_W of the weight bytes, <= DECODE_MAX_READS weight reads per
-    active expert) and is within DECODE_TIE of the row-major tiles wins;
-    without one, of the candidates (row-major included) within DECODE_TIE of
-    the fastest, the one with the least x bytes over weight bytes."""
-    costs = candidate_costs(m, k, n, num_groups, num_weights, dtype_name, num_sms)
-    row_major_us = costs[0].mean_us
-    lean = [c for c in costs[1:]
-            if c.mean_us <= row_major_us * (1 + DECODE_TIE) and c.meets_decode_targets]
-    if lean:
-        return min(lean, key=lambda c: c.mean_us).config
-    # No tiling meets the target at that price: of the launches within
-    # DECODE_TIE of the fastest, the one that loads the fewest x bytes.
-    fastest_us = min(c.mean_us for c in costs)
-    near = [c for c in costs if c.mean_us <= fastest_us * (1 + DECODE_TIE)]
-    return min(near, key=lambda c: (c.worst_x_over_w, c.mean_us)).config
-
-
-def x_lean_candidate(m: int, k: int, n: int, num_groups: int, num_weights: int,
-                     dtype_name: str = "bfloat16",
-                     num_sms: int = H200_NUM_SMS) -> CandidateCost | None:
-    """The fastest decode tiling that meets the decode targets whatever its
-    predicted price (None if no candidate does). Where the launcher's pick
-    misses x <= DECODE_X_OVER_W (the model predicts the lean tiling slower:
-    its roofline has no L2 -> SMEM term, so x re-reads cost nothing), the
-    sweep times this tiling beside the pick so that a GPU run decides."""
-    lean = [c for c in candidate_costs(m, k, n, num_groups, num_weights, dtype_name,
-                                       num_sms)[1:] if c.meets_decode_targets]
-    return min(lean, key=lambda c: c.mean_us, default=None)
+def mlp_cost(tokens: int, d: int, f: int, *, config: mosaic_sm90.TileConfig,
+             dtype=jnp.bfloat16, num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """Model situ_mlp_up with ``config``: x [tokens, d] @ gate/up [d, f] (one
+    group holding every row: the static schedule)."""
+    return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms,
+                        static_sizes=True)
 
 
 def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                 dtype=jnp.bfloat16, mxfp4: bool = False,
                 num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """The launch the grouped launcher runs for these shapes
-    (best_grouped_config; MXFP4 weights: mosaic_sm90_mxfp4), costed on the
-    actual group_sizes_G, with the kernel named in its config."""
+    """The launch the grouped launcher runs for these shapes (its tile table's
+    entry, pallas_kernels.grouped_matmul.tile_choice; MXFP4 weights:
+    mosaic_sm90_mxfp4), costed on the actual group_sizes_G, with the kernel
+    named in its config."""
+    from pallas_kernels.grouped_matmul import tile_choice
     if mxfp4:
         cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, mxfp4=True,
                             num_sms=num_sms)
         return dataclasses.replace(cost, config={**cost.config, "kernel": "mosaic_sm90_mxfp4"})
-    decode = best_grouped_config(m, k, n, len(group_sizes_G), num_weights,
-                                 jnp.dtype(dtype).name, num_sms)
-    if decode is not None:
-        return decode_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, config=decode,
-                           num_sms=num_sms)
+    swap_ab = tile_choice.grouped_config(m, k, n, len(group_sizes_G), num_weights,
+                                         jnp.dtype(dtype).name)
+    if swap_ab is not None:
+        return swap_ab_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, config=swap_ab,
+                            num_sms=num_sms)
     cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, num_sms=num_sms)
     return dataclasses.replace(cost, config={**cost.config, "kernel": "mosaic_sm90"})
 
 
-def mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
-             config: mosaic_sm90.TileConfig | None = None,
-             num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """Model situ_mlp_up: x [tokens, d] @ gate/up [d, f] (one group, every row);
-    config=None: the tiles situ_mlp_up picks (best_mlp_config)."""
-    config = config or best_mlp_config(tokens, d, f, dtype=dtype, num_sms=num_sms)
-    return grouped_cost([tokens], tokens, d, f, 2, dtype=dtype, config=config, num_sms=num_sms,
-                        static_sizes=True)
-
-
-def _uniform_fill(tiles: int, num_sms: int) -> float:
-    """SM fill of ``tiles`` equal tiles on num_sms CTAs (the model's upper bound)."""
-    return tiles / (num_sms * -(-tiles // num_sms))
-
-
-def mlp_candidates(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
-                   num_sms: int = H200_NUM_SMS) -> list[mosaic_sm90.TileConfig]:
-    """The tile configurations best_mlp_config weighs for situ_mlp_up: the
-    one-consumer fused tile (FUSED_DECODE) at block_n 128, 64 or 32, and the
-    two-consumer one (FUSED_PREFILL) at 64 unsplit or 32 with split-K
-    (block_n 32 only with f32 split-K partials: output rows of 128 bytes);
-    unsplit or split-K S >= 2 for every S whose K ranges keep >= the
-    pipeline's stages and whose equal tiles could fill >= SPLIT_FILL_SCREEN
-    of the SMs (S <= 4 always). Two consumers run at ptxas's 168-register cap
-    for 3 warpgroups; with split-K they spilled (sm_90a, 2026-12-01) at
-    block_n 128 (48 B, tp 4 T 512) and 64 (24-188 B, tp 4 T 512, tp 8 T 128
-    and 512), not at 32."""
-    out = []
-    for tile, widths in ((mosaic_sm90.FUSED_DECODE, (128, 64, 32)),
-                         (mosaic_sm90.FUSED_PREFILL, (64, 32))):
-        for block_n in widths:
-            for split_k in range(1, 2 * H200_NUM_SMS):
-                if tile.num_compute_wgs > 1 and (split_k > 1) != (block_n == 32):
-                    continue
-                cfg = dataclasses.replace(tile, block_n=block_n, split_k=split_k)
-                try:
-                    launch = mosaic_sm90.plan_launch(tokens, d, f, 1, 2, dtype, dtype, cfg)
-                except ValueError:  # K ranges shorter than the pipeline: no larger split
-                    break
-                out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
-                if launch.cfg.block_n != block_n or block_n * out_bytes < 128:
-                    continue  # fitted to another width (listed there), or output
-                    # rows under 128 bytes (row-offset TMA stores need 128-byte rows)
-                tiles = -(-tokens // launch.cfg.block_m) * launch.num_n_blocks * split_k
-                if split_k <= 4 or _uniform_fill(tiles, num_sms) >= SPLIT_FILL_SCREEN:
-                    out.append(cfg)
-    return out
-
-
-@functools.lru_cache(maxsize=128)
-def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
-                    num_sms: int = H200_NUM_SMS) -> mosaic_sm90.TileConfig:
-    """The tiles situ_mlp_up launches, from mlp_candidates: the fastest
-    predicted launch that fills >= SM_FILL_TARGET of the SMs (issue 12's
-    target); if none does, within SPLIT_TIE of the fastest, the fullest launch
-    (then the fewest splits): the model's per-SM bandwidth share is its least
-    certain part. Split-K only wins where the tiles leave SMs idle (the f32
-    partials cost a write and a read)."""
-    costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
-    with mosaic_sm90.host_eval():
-        for cfg in mlp_candidates(tokens, d, f, dtype=dtype, num_sms=num_sms):
-            try:
-                costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,
-                                       num_sms=num_sms), cfg))
-            except ValueError:  # K ranges shorter than the fitted pipeline
-                continue
-    fastest = min(cost.predicted_us for cost, _ in costs)
-    full = [(cost, cfg) for cost, cfg in costs if cost.sm_fill >= SM_FILL_TARGET]
-    if full:
-        return min(full, key=lambda c: (c[0].predicted_us, c[1].split_k))[1]
-    near = [(cost, cfg) for cost, cfg in costs if cost.predicted_us <= fastest * (1 + SPLIT_TIE)]
-    return max(near, key=lambda c: (round(c[0].sm_fill, 2), -c[1].split_k))[1]
+def launch_mlp_cost(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
+                    num_sms: int = H200_NUM_SMS) -> KernelCost:
+    """The launch situ_mlp_up runs for these shapes (its tile table's entry,
+    else mosaic_sm90's default tiles), costed."""
+    from pallas_kernels.grouped_matmul import tile_choice
+    config = (tile_choice.mlp_config(tokens, d, f, jnp.dtype(dtype).name)
+              or mosaic_sm90.default_config(tokens, 1, 2))
+    return mlp_cost(tokens, d, f, config=config, dtype=dtype, num_sms=num_sms)
 
 
 def xla_ragged_dot_dense_s(m: int, k: int, n: int, num_groups: int, num_weights: int) -> float:
@@ -602,9 +384,7 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DECODE_MAX_READS", "DECODE_X_OVER_W", "DENSE_BF16_FLOPS",
-           "H200_NUM_SMS", "MXFP4_DECODE_OPS_PER_PARAM", "SM_FILL_TARGET", "SM_LANE_OPS_PER_S",
-           "SPLIT_TIE", "TILE_OVERHEAD_S", "CandidateCost", "KernelCost", "best_grouped_config",
-           "best_mlp_config", "candidate_costs", "decode_candidates", "decode_cost",
-           "grouped_cost", "launch_cost", "mlp_candidates", "mlp_cost", "proxy_group_sizes",
-           "roofline_s", "x_lean_candidate", "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DEQUANT_OPS_PER_PARAM",
+           "SM_LANE_OPS_PER_S", "TILE_OVERHEAD_S", "WG_ROWS", "KernelCost", "grouped_cost",
+           "launch_cost", "launch_mlp_cost", "mlp_cost", "roofline_s", "swap_ab_cost",
+           "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

@@ -37,11 +37,13 @@ import enum
 import math
 
 from k3jax.config import K3Config
+from pallas_kernels.hardware import H200 as GPU
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """One GPU of a node and its link to the others."""
+    """One GPU of a node and its link to the others (H200: the rates of
+    pallas_kernels.hardware.H200)."""
 
     name: str
     matmul_flops_per_s: float       # dense bf16 matmul rate
@@ -60,15 +62,14 @@ class Hardware:
 
 
 H200 = Hardware(
-    name="H200 SXM, 8 per NVLink node",
-    matmul_flops_per_s=780e12,
-    hbm_bytes_per_s=4.3e12,
-    link_bytes_per_s=450e9,
-    collective_latency_s=10e-6,
-    sources=("dense bf16 matmul 770-800 TFLOP/s and HBM copy 4.3 TB/s as measured on this "
-             "project's H200 (SPEC 7); NVLink 4 900 GB/s per GPU both directions together "
-             "(SPEC 7, NVIDIA's H200 data sheet), so 450 GB/s each way; 10 us per collective "
-             "or ring step is an assumption (not measured here)"),
+    name=f"{GPU.name}, 8 per NVLink node",
+    matmul_flops_per_s=GPU.dense_bf16_flops_per_s,
+    hbm_bytes_per_s=GPU.hbm_copy_bytes_per_s,
+    link_bytes_per_s=GPU.nvlink_peak_bytes_per_s,
+    collective_latency_s=GPU.collective_latency_s,
+    sources="; ".join(f"{key}: {GPU.sources[key]}" for key in (
+        "dense_bf16_flops_per_s", "hbm_copy_bytes_per_s", "nvlink_peak_bytes_per_s",
+        "collective_latency_s")),
 )
 
 

@@ -1,0 +1,79 @@
+"""The launchers' tile choice: a lookup in the committed table
+(tile_table.py, written by ``python -m analysis.write_tile_table``).
+
+Key: (op, M bucket, K, N, groups, num_weights, dtype name), op "grouped"
+(grouped_matmul: num_weights 1; grouped_situ_glu: 2) or "mlp" (situ_mlp_up:
+one group, two weights). A launch of M rows takes the table's row with the
+smallest M >= M among the rows of its (op, K, N, groups, num_weights, dtype);
+a launch past the largest, or of a shape the table lacks, gets the kernels'
+static default tiling (None here: mosaic_sm90's default_config).
+
+Grouped rows hold a swap-AB tiling (mosaic_sm90_decode.DecodeConfig) or the
+row-major kernel (None); MLP rows a mosaic_sm90.TileConfig.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
+
+ROW_MAJOR = "row_major"   # a grouped row's "kernel": mosaic_sm90's default tiles
+SWAP_AB = "swap_ab"       # a grouped row's "kernel": mosaic_sm90_decode with the row's fields
+MLP = "mlp"               # an MLP row's "kernel": mosaic_sm90 with the row's TileConfig fields
+
+
+def row_config(entry: dict) -> mosaic_sm90_decode.DecodeConfig | mosaic_sm90.TileConfig | None:
+    """The config of one table entry ({"kernel": ..., **config fields})."""
+    fields = {key: value for key, value in entry.items() if key != "kernel"}
+    kind = entry["kernel"]
+    if kind == ROW_MAJOR:
+        if fields:
+            raise ValueError(f"tile table: a row_major entry takes no fields, got {entry!r}")
+        return None
+    if kind == SWAP_AB:
+        return mosaic_sm90_decode.DecodeConfig(**fields)
+    if kind == MLP:
+        return mosaic_sm90.TileConfig(**fields)
+    raise ValueError(f"tile table: unknown kernel {kind!r} in {entry!r}")
+
+
+@functools.cache
+def _index() -> dict[tuple, tuple[list[int], list]]:
+    """(op, K, N, groups, num_weights, dtype) -> (sorted M buckets, their configs)."""
+    from pallas_kernels.grouped_matmul import tile_table  # generated; read on first lookup
+    by_shape: dict[tuple, list[tuple[int, object]]] = {}
+    for (op, m, k, n, groups, num_weights, dtype), entry in tile_table.TILES.items():
+        by_shape.setdefault((op, k, n, groups, num_weights, dtype), []).append((m, row_config(entry)))
+    return {shape: ([m for m, _ in sorted(rows, key=lambda r: r[0])],
+                    [cfg for _, cfg in sorted(rows, key=lambda r: r[0])])
+            for shape, rows in by_shape.items()}
+
+
+def lookup(op: str, m: int, k: int, n: int, groups: int, num_weights: int,
+           dtype: str) -> tuple[bool, object]:
+    """(found, config): the table's config for an M-row launch (module docstring)."""
+    rows = _index().get((op, k, n, groups, num_weights, dtype))
+    if rows is None:
+        return False, None
+    buckets, configs = rows
+    i = bisect.bisect_left(buckets, m)
+    if i == len(buckets):
+        return False, None
+    return True, configs[i]
+
+
+def grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
+                   dtype: str) -> mosaic_sm90_decode.DecodeConfig | None:
+    """The grouped launch's swap-AB tiling, or None for mosaic_sm90's
+    row-major default tiles (also for shapes the table lacks)."""
+    return lookup("grouped", m, k, n, num_groups, num_weights, dtype)[1]
+
+
+def mlp_config(tokens: int, d: int, f: int, dtype: str) -> mosaic_sm90.TileConfig | None:
+    """situ_mlp_up's tiles, or None (mosaic_sm90's default) for shapes the table lacks."""
+    return lookup("mlp", tokens, d, f, 1, 2, dtype)[1]
+
+
+__all__ = ["MLP", "ROW_MAJOR", "SWAP_AB", "grouped_config", "lookup", "mlp_config", "row_config"]
