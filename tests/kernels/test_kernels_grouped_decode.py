@@ -168,24 +168,36 @@ def test_launcher_decode_tiles_compile_for_sm90a_without_spills():
     (EP 8/16/32, both ops), and the lean tiling of each X_TARGET_SLOWER row
     (down's overhang N = 3584: the last cluster group reads TMA zero fill),
     through ptxas for sm_90a: 0 spill bytes, no serialized WGMMA warning.
-    One compile per distinct (op, tiling)."""
+    One compile per distinct (op, tiling), shared with the rest of the run
+    (tests/compile_cache.py): a launcher tiling is read as the first sweep
+    row that picks it (benchmarks/compile_table.py's configuration, the
+    launcher's own dispatch), whose kernel must be that tiling's."""
+    from compile_cache import cached_reports, kernel_reports
+
     from k3jax.kernel_ptxas import ptxas_reports
     seen = {}
-    for case, cfg in _decode_rows() + _lean_rows():
-        if cfg is not None:
-            seen.setdefault((case.op, cfg), case)
+    for rows, launcher in ((_decode_rows(), True), (_lean_rows(), False)):
+        for case, cfg in rows:
+            if cfg is not None:
+                seen.setdefault((case.op, cfg), (case, launcher))
     assert seen, "the launcher picked no decode tiles for the sweep's decode rows"
-    assert any(case.n % (cfg.cluster * cfg.block_w) for (_, cfg), case in seen.items())
+    assert any(case.n % (cfg.cluster * cfg.block_w) for (_, cfg), (case, _) in seen.items())
     S = jax.ShapeDtypeStruct
-    for (op, cfg), case in seen.items():
-        specs = case.arg_specs()
-        if op == "gate_up_situ":
-            def fn(x, a, b, s, cfg=cfg):
-                return dec.grouped_situ_glu(x, a, b, s, config=cfg, **SITU)
+    for (op, cfg), (case, launcher) in seen.items():
+        specs = [S(a.shape, a.dtype) for a in case.arg_specs()]
+        if launcher:
+            reports = kernel_reports(case.name)
+            tiling = f"_decode_t{cfg.block_t}" + (f"_c{cfg.cluster}" if cfg.cluster > 1 else "")
+            assert all(tiling in rep.name for rep in reports), (case.name, cfg, reports)
         else:
-            def fn(x, w, s, cfg=cfg):
-                return dec.grouped_matmul(x, w, s, config=cfg)
-        reports = ptxas_reports(fn, *[S(a.shape, a.dtype) for a in specs])
+            if op == "gate_up_situ":
+                def fn(x, a, b, s, cfg=cfg):
+                    return dec.grouped_situ_glu(x, a, b, s, config=cfg, **SITU)
+            else:
+                def fn(x, w, s, cfg=cfg):
+                    return dec.grouped_matmul(x, w, s, config=cfg)
+            reports = cached_reports(f"{case.name} x-lean {cfg!r}",
+                                     lambda: ptxas_reports(fn, *specs))
         assert reports, (op, cfg)
         for rep in reports:
             assert "decode" in rep.name, rep
