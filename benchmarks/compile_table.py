@@ -249,8 +249,9 @@ def golden_json(doc: dict) -> str:
     return "\n".join(["{", *head, ' "configurations": {', ",\n".join(configs), " }", "}"]) + "\n"
 
 
-def read_golden(path: Path = GOLDEN_JSON) -> dict:
-    with open(path) as f:
+def read_golden(path: Path | None = None) -> dict:
+    """The golden file at ``path`` (default GOLDEN_JSON)."""
+    with open(path or GOLDEN_JSON) as f:
         return json.load(f)
 
 

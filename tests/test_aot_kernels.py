@@ -99,6 +99,34 @@ def test_golden_json_reads_back():
     assert json.loads(text) == doc and len(text.splitlines()) == 13
 
 
+def test_write_golden_refuses_a_worse_configuration(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_table, "GOLDEN_JSON", tmp_path / "g.json")
+    monkeypatch.setattr(compile_table, "GOLDEN_MD", tmp_path / "g.md")
+    monkeypatch.setattr(compile_table, "ptxas_version", lambda: "ptxas 1")
+    row = {"kernel": "k", "registers": 168, "spill_store_bytes": 0, "spill_load_bytes": 0,
+           "smem_bytes": 1024, "grid": [132, 1, 1]}
+    log = []
+    assert compile_table.write_golden(compile_table.golden_document({"a": [row]}, "abc"),
+                                      log=log.append) == 0
+    worse = compile_table.golden_document({"a": [{**row, "registers": 200}]}, "def")
+    assert compile_table.write_golden(worse, log=log.append) == 1
+    assert compile_table.read_golden(tmp_path / "g.json")["commit"] == "abc"
+    assert "a: k: registers 168 -> 200" in " ".join(log)
+    assert compile_table.write_golden(worse, accept_worse=True, log=log.append) == 0
+    assert compile_table.read_golden(tmp_path / "g.json")["configurations"]["a"][0]["registers"] \
+        == 200
+    md = (tmp_path / "g.md").read_text()
+    assert compile_table.GOLDEN_COMMAND in md and "def" in md and "ptxas 1" in md
+
+
+@pytest.mark.parametrize("argv", [["--write-golden"], ["--kernels", "--accept-worse"],
+                                  ["--kernels", "--layouts", "--write-golden"]])
+def test_golden_flag_misuse_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        compile_table.main(argv)
+    assert e.value.code == 2 and "--" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_compiles_for_sm90a_within_the_golden_file(name):
     found = kernel_reports(name)
