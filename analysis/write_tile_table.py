@@ -4,7 +4,7 @@
   python -m analysis.write_tile_table            # rewrite the committed table
   python -m analysis.write_tile_table --out PATH # write elsewhere
 
-Inputs: the K3 shapes the benchmarks run (benchmarks/gpu_kernels.py's grouped
+Inputs: the K3 shapes the benchmarks run (benchmarks.cases' grouped
 and MLP sweeps, at every power-of-two token count up to 16384 so that M
 buckets are dense, and the shared / dense MLP widths at tp 1, 4, 8), the tiny
 preset's on up to 8 devices, and the launcher-dispatched shapes of

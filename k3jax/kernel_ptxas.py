@@ -42,7 +42,7 @@ def ptxas_reports(fn: Callable, *arg_specs: jax.ShapeDtypeStruct) -> list[PtxasR
 def tokamax_ragged_dot_reports(m: int, k: int, n: int, num_groups: int,
                                dtype=jnp.bfloat16) -> list[PtxasReport]:
     """ptxas reports of tokamax.ragged_dot's Mosaic GPU kernel (the peer in
-    benchmarks/gpu_kernels.py) for x [m, k] @ w [G, k, n] on one H200."""
+    benchmarks.kernel_sweep) for x [m, k] @ w [G, k, n] on one H200."""
     from pallas_kernels.peers import tokamax_ragged_dot
     return ptxas_reports(tokamax_ragged_dot, jax.ShapeDtypeStruct((m, k), dtype),
                          jax.ShapeDtypeStruct((num_groups, k, n), dtype),

@@ -34,3 +34,12 @@ def eight_devices():
     devices = jax.devices()
     assert len(devices) >= 8, f"these tests need 8 devices, found {len(devices)}: {devices}"
     return devices[:8]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache_folder(tmp_path_factory):
+    """tests/compile_cache.py's folder: one per run, shared by its xdist
+    workers (an exported $K3JAX_TEST_CACHE is kept)."""
+    import compile_cache
+    os.environ.setdefault(compile_cache.CACHE_ENV, str(compile_cache.run_folder(
+        tmp_path_factory.getbasetemp(), xdist_worker="PYTEST_XDIST_WORKER" in os.environ)))

@@ -1,59 +1,76 @@
-"""Every Mosaic GPU kernel configuration compiles for the H200 (sm_90a) through
-ptxas without a GPU, with 0 spill bytes: the configurations
-benchmarks/gpu_kernels.py times (grouped sweep, jax's Mosaic ragged_dot peers,
-MLP sweep), tokamax.ragged_dot at the headline shapes (5 configurations, 12-25 s
-each on the loaded machine) and every distinct kernel of
-benchmarks/gpu_kernel_checks.py (benchmarks/compile_table.py lists them). The ptxas is the nvidia-cuda-nvcc
-wheel's (k3jax.aot.pin_wheel_ptxas).
+"""Every Mosaic GPU kernel configuration of benchmarks/compile_table.py compiles
+for the H200 (sm_90a) through ptxas without a GPU, and holds to the golden
+file benchmarks/results/sm90a_kernels.json: no kernel uses more registers or
+spills more bytes than the file says, every configuration is in the file and
+the file names no configuration that no longer exists. The configurations:
+the ones benchmarks.kernel_sweep times (grouped sweep, jax's Mosaic
+ragged_dot peers, MLP sweep), tokamax.ragged_dot at the headline shapes, the
+MXFP4 and weight-gradient kernels, and every distinct kernel of
+benchmarks/gpu_kernel_checks.py. The ptxas is the nvidia-cuda-nvcc wheel's
+(k3jax.aot.pin_wheel_ptxas).
 
-A configuration that spills today is named in KNOWN_SPILLS with the reason
-(benchmarks/results/compiled_kernels_sm90a.md). The test fails on a spill not in the
-table and on an entry that no longer spills, so the table cannot go stale.
-Each configuration compiles once per process: about 3 s each on an idle
-2-core machine (4-5 minutes for the 83), 10-60 s each on the loaded shared
-machine (the 83 took 50 minutes there on 2026-12-01).
+A configuration with fewer registers or spill bytes than the file passes
+with a warning: regenerate the file
+(``python -m benchmarks.compile_table --kernels --write-golden``).
+
+Only configurations named in KNOWN_SPILLS may spill, whatever the file
+says, with the reason; the test fails on an entry that no longer spills, so
+the table cannot go stale. Each configuration compiles once per test run
+(tests/compile_cache.py), whichever tests read it.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import warnings
 
 import pytest
+from compile_cache import kernel_reports
 
 from benchmarks import compile_table
-from k3jax.aot import PtxasReport, pin_wheel_ptxas
+from k3jax.aot import pin_wheel_ptxas
 
-# From benchmarks/compile_table.py --kernels (benchmarks/results/compiled_kernels_sm90a.md):
-# every k3jax tile is spill-free; the only spills are jax's own kernel's.
+# Every k3jax kernel is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")
 KNOWN_SPILLS: dict[str, str] = {
     **{f"down ep=8 tokens={t} (peer: jax Mosaic)": _PEER for t in (1024, 4096, 16384)},
 }
 
-CONFIGS = {c.name: c for c in compile_table.kernel_configs()}
+CONFIGS = [c.name for c in compile_table.kernel_configs()]
+REGENERATE = f"regenerate it: {compile_table.GOLDEN_COMMAND}"
 
 
 @functools.cache
-def reports(name: str) -> tuple[PtxasReport, ...]:
-    return tuple(compile_table.compile_kernel(CONFIGS[name]))
+def golden() -> dict:
+    return compile_table.read_golden()["configurations"]
 
 
 def test_the_configuration_list_is_the_benchmarks():
-    """102 configurations: 36 grouped, 18 jax Mosaic peers, 15 MLP, 5 tokamax
-    peers (issue 12), 28 check kernels (14 at commit 3233f01; issue 12 added
-    the >= 1000-tile, 3-CTA and split-K cases, 4 forcing the decode kernel and
-    6 the decode kernel in CTA clusters: 2 overhanging N, 1 with 192
-    accumulator registers a thread)."""
-    names = list(CONFIGS)
-    assert len(names) == len(set(names))
-    assert sum(n.startswith(("gate_up_situ", "down")) and "peer" not in n for n in names) == 36
-    assert sum("(peer: jax Mosaic)" in n for n in names) == 18
-    assert sum("(peer: tokamax)" in n for n in names) == 5
-    assert sum(n.startswith("situ_mlp_up") and "peer" not in n for n in names) == 15
-    assert sum(n.startswith("check ") for n in names) == 28
+    """108 configurations: 36 grouped, 18 jax Mosaic peers, 15 MLP, 5 tokamax
+    peers, 4 MXFP4, 2 weight-gradient (tgmm), 28 check kernels (4 forcing the
+    weights-on-M kernel, 6 that kernel in CTA clusters: 2 overhanging N, 1 with
+    192 accumulator registers a thread)."""
+    assert len(CONFIGS) == len(set(CONFIGS)) == 108
+    assert sum(n.startswith(("gate_up_situ ", "down ")) and "peer" not in n for n in CONFIGS) == 36
+    assert sum("(peer: jax Mosaic)" in n for n in CONFIGS) == 18
+    assert sum("(peer: tokamax)" in n for n in CONFIGS) == 5
+    assert sum(n.startswith("situ_mlp_up") and "peer" not in n for n in CONFIGS) == 15
+    assert sum("_mxfp4 " in n for n in CONFIGS) == 4
+    assert sum(n.startswith("tgmm ") for n in CONFIGS) == 2
+    assert sum(n.startswith("check ") for n in CONFIGS) == 28
     assert set(KNOWN_SPILLS) <= set(CONFIGS), set(KNOWN_SPILLS) - set(CONFIGS)
+
+
+def test_the_golden_file_names_exactly_the_configurations():
+    doc = compile_table.read_golden()
+    assert doc["command"] == compile_table.GOLDEN_COMMAND
+    assert list(doc["configurations"]) == CONFIGS, (
+        f"not in the golden file: {sorted(set(CONFIGS) - set(doc['configurations']))}; "
+        f"in it but no longer configurations: {sorted(set(doc['configurations']) - set(CONFIGS))}"
+        f"; {REGENERATE}")
 
 
 def test_ptxas_is_the_wheels():
@@ -61,9 +78,58 @@ def test_ptxas_is_the_wheels():
     assert os.environ["PATH"].split(os.pathsep)[0] == str(pin_wheel_ptxas().parent)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_compiles_for_sm90a_without_spills(name):
-    found = reports(name)
+def test_compare_entries_orders_worse_and_better():
+    row = {"kernel": "k", "registers": 168, "spill_store_bytes": 0, "spill_load_bytes": 0,
+           "smem_bytes": 1024, "grid": [132, 1, 1]}
+    assert compile_table.compare_entries([row], [row]) == ([], [])
+    worse, other = compile_table.compare_entries([row], [{**row, "registers": 170,
+                                                          "spill_load_bytes": 4}])
+    assert worse == ["k: registers 168 -> 170", "k: spill_load_bytes 0 -> 4"] and other == []
+    assert compile_table.compare_entries([row], [{**row, "registers": 128, "grid": [66, 1, 1]}]) \
+        == ([], ["k: registers 168 -> 128", "k: grid [132, 1, 1] -> [66, 1, 1]"])
+    assert compile_table.compare_entries([row], [row, {**row, "kernel": "j"}])[0]
+    assert compile_table.compare_entries([row], [{**row, "kernel": "j"}])[0]
+
+
+def test_golden_json_reads_back():
+    row = {"kernel": "k", "registers": 168, "spill_store_bytes": 0, "spill_load_bytes": 0,
+           "smem_bytes": 1024, "grid": [132, 1, 1]}
+    doc = {"command": "c", "commit": "abc", "configurations": {"a b": [row, row], "c": [row]}}
+    text = compile_table.golden_json(doc)
+    assert json.loads(text) == doc and len(text.splitlines()) == 13
+
+
+def test_write_golden_refuses_a_worse_configuration(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_table, "GOLDEN_JSON", tmp_path / "g.json")
+    monkeypatch.setattr(compile_table, "GOLDEN_MD", tmp_path / "g.md")
+    monkeypatch.setattr(compile_table, "ptxas_version", lambda: "ptxas 1")
+    row = {"kernel": "k", "registers": 168, "spill_store_bytes": 0, "spill_load_bytes": 0,
+           "smem_bytes": 1024, "grid": [132, 1, 1]}
+    log = []
+    assert compile_table.write_golden(compile_table.golden_document({"a": [row]}, "abc"),
+                                      log=log.append) == 0
+    worse = compile_table.golden_document({"a": [{**row, "registers": 200}]}, "def")
+    assert compile_table.write_golden(worse, log=log.append) == 1
+    assert compile_table.read_golden(tmp_path / "g.json")["commit"] == "abc"
+    assert "a: k: registers 168 -> 200" in " ".join(log)
+    assert compile_table.write_golden(worse, accept_worse=True, log=log.append) == 0
+    assert compile_table.read_golden(tmp_path / "g.json")["configurations"]["a"][0]["registers"] \
+        == 200
+    md = (tmp_path / "g.md").read_text()
+    assert compile_table.GOLDEN_COMMAND in md and "def" in md and "ptxas 1" in md
+
+
+@pytest.mark.parametrize("argv", [["--write-golden"], ["--kernels", "--accept-worse"],
+                                  ["--kernels", "--layouts", "--write-golden"]])
+def test_golden_flag_misuse_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        compile_table.main(argv)
+    assert e.value.code == 2 and "--" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_compiles_for_sm90a_within_the_golden_file(name):
+    found = kernel_reports(name)
     assert found, f"{name}: no Mosaic GPU kernel was compiled"
     for r in found:
         assert 0 < r.registers <= 255, r
@@ -72,7 +138,14 @@ def test_compiles_for_sm90a_without_spills(name):
     spilled = [r for r in found if r.spill_bytes]
     if name in KNOWN_SPILLS:
         assert spilled, (f"{name} no longer spills: remove it from KNOWN_SPILLS "
-                         f"({KNOWN_SPILLS[name]!r}) and from benchmarks/results/compiled_kernels_sm90a.md")
+                         f"({KNOWN_SPILLS[name]!r}); {REGENERATE}")
     else:
         assert not spilled, [(r.name, r.registers, r.spill_store_bytes, r.spill_load_bytes,
                               r.warnings) for r in spilled]
+    assert name in golden(), f"{name} is not in {compile_table.GOLDEN_JSON}: {REGENERATE}"
+    worse, other = compile_table.compare_entries(golden()[name],
+                                                 compile_table.kernel_entries(list(found)))
+    assert not worse, f"{name} is worse than {compile_table.GOLDEN_JSON.name}: {worse}"
+    if other:
+        warnings.warn(f"{name} differs from {compile_table.GOLDEN_JSON.name} ({other}): if it "
+                      f"improved, {REGENERATE}", stacklevel=1)

@@ -139,7 +139,7 @@ def test_bad_decode_tiles_are_rejected():
                         DecodeConfig(num_compute_wgs=2, wg_block_w=256, block_t=64))
 
 
-SWEEP_TOKENS = (16, 64, 256)  # the device sweep's decode token counts (benchmarks/gpu_kernels.py)
+SWEEP_TOKENS = (16, 64, 256)  # the device sweep's decode token counts (benchmarks.kernel_sweep)
 
 
 def _k3_rows(tokens=None):
@@ -187,6 +187,8 @@ def _lean_tilings():
 def _compile_without_spills(tilings) -> None:
     """Each (op, tiling) at its key's shapes through ptxas for sm_90a: 0
     spill bytes, no serialized WGMMA warning."""
+    from compile_cache import cached_reports
+
     from k3jax.kernel_ptxas import ptxas_reports
     S = jax.ShapeDtypeStruct
     for (op, cfg), (_, m, k, n, groups, _, dtype) in tilings.items():
@@ -199,7 +201,8 @@ def _compile_without_spills(tilings) -> None:
             def fn(x, w, s, cfg=cfg):
                 return dec.grouped_matmul(x, w, s, config=cfg)
             specs = (x, w, sizes)
-        reports = ptxas_reports(fn, *specs)
+        name = f"swap-AB {op} m={m} k={k} n={n} g={groups} {jnp.dtype(dtype).name} {cfg!r}"
+        reports = cached_reports(name, lambda fn=fn, specs=specs: ptxas_reports(fn, *specs))
         assert reports, (op, cfg)
         for rep in reports:
             assert "decode" in rep.name, rep
