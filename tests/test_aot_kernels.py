@@ -29,6 +29,8 @@ import compile_table  # noqa: E402
 
 from k3jax.aot import PtxasReport, pin_wheel_ptxas  # noqa: E402
 
+pytestmark = pytest.mark.compile
+
 # Measured 2026-12-01 (benchmarks/compile_table.py --kernels; BENCHMARKS.md):
 # every k3jax tile is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "

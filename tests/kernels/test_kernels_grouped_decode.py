@@ -31,6 +31,9 @@ from pallas_kernels import cost_model  # noqa: E402
 from pallas_kernels.grouped_matmul import api, mosaic_sm90  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_launcher_decode_tiles_compile_for_sm90a_without_spills"])
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 DecodeConfig = dec.DecodeConfig

@@ -19,6 +19,8 @@ from k3jax.kernel_ptxas import ptxas_reports
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.mxfp4 import Mxfp4Weights
 
+pytestmark = pytest.mark.compile
+
 LOCAL_EXPERTS = 112   # 896 experts / EP 8
 TOP_K = 16
 SHAPES = {"gate_up_situ": (3584, 3072, 2), "down": (3072, 3584, 1)}
