@@ -47,9 +47,7 @@ from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
 from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
 
-# One worker runs the file: its tests share placed_case's compiled gradient programs.
-pytestmark = [pytest.mark.tiers(slow=["test_interpret_backend_gradients_match_xla"]),
-              pytest.mark.xdist_group("test_grads")]
+pytestmark = pytest.mark.tiers(slow=["test_interpret_backend_gradients_match_xla"])
 
 LAYERS = {"dense": 0, "moe": 1}
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
