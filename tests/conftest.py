@@ -1,7 +1,17 @@
-"""Test session set-up: 8 simulated CPU devices before JAX's backend starts.
+"""Test session set-up: 8 simulated CPU devices before JAX's backend starts,
+and the test tiers (docs/testing.md).
 
 Tests that need 8 devices use the ``eight_devices`` fixture, which FAILS (never
 skips) when fewer devices exist.
+
+Tiers are markers; a test without one is in the everyday tier, which
+``bin/test`` runs (``bin/test --all`` runs every tier). A test file states
+its tier in one line near its imports: ``pytestmark = pytest.mark.compile``
+for the whole file, or, where a file mixes tiers, by test function name:
+``pytestmark = pytest.mark.tiers(compile=["test_a"], slow=["test_b"])``
+(every parametrization of a named function; a name that is not a test
+function of the file is a collection error). A mark that is not registered
+below is an error, not a warning.
 """
 
 import os
@@ -25,8 +35,54 @@ from pallas_kernels import interpret_compat  # noqa: E402
 interpret_compat.reserve_pool_threads(8)
 
 
+TIERS = {
+    "compile": "deviceless compiles for the H200 (k3jax.aot): XLA's GPU pipeline or ptxas",
+    "slow": "heavy CPU runs: interpret-mode Mosaic kernels at larger shapes or many "
+            "launches, multi-process runs",
+    "integration": "end to end: notebooks, subprocess runs of the CLI and benchmark scripts",
+}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: heavy interpret-mode and multi-process runs")
+    for name, meaning in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning} (not in bin/test's everyday tier)")
+    config.addinivalue_line(
+        "markers", "tiers(**{tier: [test function names]}): puts the named test functions of "
+                   f"this file in those tiers ({', '.join(TIERS)})")
+    # --strict-markers for every invocation: a misspelt tier mark fails collection
+    # instead of silently moving its test into the everyday tier.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")
+
+
+def _tiers_by_name(module, mark) -> dict[str, list[str]]:
+    """{test function name: [tier]} of a ``tiers(...)`` mark, checked against
+    the module's own test functions (so a renamed test cannot drop out of its tier)."""
+    if mark.args or set(mark.kwargs) - set(TIERS):
+        raise pytest.UsageError(f"{module.__name__}: tiers() takes keyword lists of test function "
+                                f"names, one per tier of {sorted(TIERS)}; got {mark.args} {mark.kwargs}")
+    by_name: dict[str, list[str]] = {}
+    for tier, names in mark.kwargs.items():
+        for name in [names] if isinstance(names, str) else names:
+            if not (name.startswith("test") and callable(vars(module).get(name))):
+                raise pytest.UsageError(f"{module.__name__}: tiers({tier}=...) names {name!r}, "
+                                        "which is not a test function of that file")
+            by_name.setdefault(name, []).append(tier)
+    return by_name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Apply ``tiers(...)`` marks before -m selects (and xdist groups) the items."""
+    cache: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("tiers")
+        if mark is None or not isinstance(item, pytest.Function):
+            continue
+        key = (item.module.__name__, id(mark))
+        if key not in cache:
+            cache[key] = _tiers_by_name(item.module, mark)
+        for tier in cache[key].get(item.originalname, ()):
+            item.add_marker(tier)
 
 
 @pytest.fixture

@@ -16,6 +16,13 @@ from k3jax.aot import h200_mesh
 from k3jax.hlo_schedule import collective_schedule, collective_table, in_scope, shape_bytes
 from k3jax.layout import DATA, TENSOR, ParallelConfig
 
+pytestmark = pytest.mark.tiers(
+    compile=[
+        "test_gather_matmul_scatter_kinds_bytes_groups",
+        "test_compute_between_counts_ops_and_dot_flops",
+        "test_all_reduce_permute_all_to_all",
+    ])
+
 T, D, F = 2048, 1024, 4096      # per-device rows T/8; big enough for XLA to overlap
 
 

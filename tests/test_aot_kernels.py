@@ -32,6 +32,8 @@ from compile_cache import kernel_reports
 from benchmarks import compile_table
 from k3jax.aot import pin_wheel_ptxas
 
+pytestmark = pytest.mark.compile
+
 # Every k3jax kernel is spill-free; the only spills are jax's own kernel's.
 _PEER = ("jax's ragged_dot_mgpu peer (not k3jax's kernel), block_m 128 at EP 8: 255 "
          "registers, 84 B + 84 B of spill")

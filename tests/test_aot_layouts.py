@@ -40,6 +40,8 @@ from k3jax.kernel_ptxas import TOKAMAX_PEER
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
 from layout_cases import LAYOUTS, MULTI_DEVICE, UNOVERLAPPED
 
+pytestmark = pytest.mark.compile
+
 TOKENS = (256, 8192)
 MOE, DENSE = 1, 0
 

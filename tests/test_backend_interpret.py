@@ -33,6 +33,8 @@ from numerics import rel_err
 from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
 from reference_np import np_mlp, np_moe, np_route
 
+pytestmark = pytest.mark.slow
+
 TOKENS = 5  # odd: pads to 6 rows under sequence parallelism over 2 devices
 TOL_XLA = 1e-5      # float32 XLA vs float64 (measured <= 5.9e-7)
 TOL_KERNEL = 5e-5   # bf16x3 kernels (measured <= 7.9e-6); = tests/kernels TOL_F32_KERNEL

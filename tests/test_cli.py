@@ -22,6 +22,9 @@ from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from numerics import rel_err
 from reference_np import np_mlp, np_moe
 
+pytestmark = pytest.mark.tiers(
+    integration=["test_subprocess_default_run", "test_subprocess_sharded_run_and_usage_error"])
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = layer_prefix(1, True)
 

@@ -17,6 +17,10 @@ from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 from k3jax.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_json_has_the_issues_keys_and_the_planners_weights", "test_tables_for_the_dense_layer"],
+    integration=["test_the_cli_on_a_cpu_host_prints_no_plugin_traceback"])
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP_EP_SHARD = ["--tp", "8", "--sequence-parallel", "--expert-parallel", "--shard-shared-expert"]
 

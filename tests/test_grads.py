@@ -47,6 +47,8 @@ from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
 from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
 
+pytestmark = pytest.mark.tiers(slow=["test_interpret_backend_gradients_match_xla"])
+
 LAYERS = {"dense": 0, "moe": 1}
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
 TOL_KERNEL = 5e-5   # the bf16x3 Pallas kernels in float32 (tests/test_backend_interpret.py)
@@ -79,6 +81,7 @@ def ag_rs_form(name: str) -> str:
     return f"{name}_none" if f"{name}_none" in UNOVERLAPPED else name
 
 
+@functools.cache
 def placed_case(name: str, layer: str):
     """(module, compiled program, its HLO text, outputs) of the gradient program
     at T_PLACED with x and dy placed as the layout places rows (so only the

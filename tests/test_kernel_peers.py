@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from k3jax.kernel_ptxas import (
     TOKAMAX_PEER,
@@ -14,6 +15,9 @@ from k3jax.kernel_ptxas import (
     tokamax_peer_reports,
 )
 from pallas_kernels.grouped_matmul import mosaic_sm90
+
+pytestmark = pytest.mark.tiers(
+    compile=["test_tokamax_peer_reports_registers_or_the_shape_it_rejects"])
 
 S = jax.ShapeDtypeStruct
 

@@ -28,6 +28,15 @@ from k3jax.runtime import startup, supervision
 from numerics import rel_err
 from reference_np import np_moe
 
+pytestmark = pytest.mark.tiers(
+    slow=[
+        "test_two_processes_match_one_process_and_float64_reference",
+        "test_killed_peer_ends_the_survivor_with_a_clear_error",
+        "test_processes_that_disagree_stop_with_a_clear_error",
+        "test_a_process_that_fails_is_reported_by_every_process",
+    ],
+    integration=["test_the_worker_exit_code_passes_through_the_child"])
+
 LAYOUT = ["--devices", "8", "--tp", "8", "--sequence-parallel", "--expert-parallel",
           "--shard-shared-expert", "--backend", "xla"]
 RUN_TIMEOUT_S = 240      # a whole run on a loaded 2-core machine; a hang fails here

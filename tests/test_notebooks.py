@@ -26,6 +26,14 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.tiers(
+    integration=[
+        "test_01_shared_expert_sequence_parallel",
+        "test_02_moe_padding_and_ep",
+        "test_03_torch_crosscheck",
+        "test_04_training_and_load_balancing",
+    ])
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = {

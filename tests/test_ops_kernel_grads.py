@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +25,8 @@ from k3jax.config import TINY
 from k3jax.layout import TENSOR
 from k3jax.ops import SiTU, routed_experts, situ_mlp
 from numerics import rel_err
+
+pytestmark = pytest.mark.slow
 
 TOL_KERNEL = 5e-5
 ACT = SiTU.from_config(TINY)

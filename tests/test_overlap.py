@@ -32,6 +32,13 @@ from k3jax.layout import DATA, TENSOR, make_mesh
 from k3jax.plan import moe_collectives
 from layout_cases import LAYOUTS, UNOVERLAPPED, output, rel_err
 
+pytestmark = pytest.mark.tiers(
+    compile=[
+        "test_h200_every_ring_transfer_overlaps_a_matmul",
+        "test_h200_ring_moves_the_bytes_of_the_all_gather_and_reduce_scatter",
+        "test_h200_unoverlapped_dense_layer_runs_its_collectives_synchronously",
+    ])
+
 RING_VS_NONE_FP32_TOL = 1e-6
 BF16_TOL = 1e-2                # test_layouts_numerics' bf16-vs-bf16 tolerance
 LAYERS = {"dense": 0, "moe": 1}

@@ -35,6 +35,9 @@ from k3jax.config import TINY
 from k3jax.layout import ParallelConfig, make_mesh
 from k3jax.memory import param_shard_bytes
 
+pytestmark = pytest.mark.tiers(
+    slow=["test_two_processes_each_read_only_their_share"])
+
 # Wider than TINY so weight blocks dwarf Python's own small allocations.
 CFG = TINY.replace(moe_intermediate_size=128, routed_expert_hidden_size=256, num_hidden_layers=2)
 LAYER = 1

@@ -14,6 +14,18 @@ import pytest
 
 from benchmarks import kernel_sweep, measure
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_lower_only_lowers_the_chosen_configs_for_sm90"],
+    slow=[
+        "test_wrong_kernel_aborts_and_keeps_the_rows_measured_before",
+        "test_keep_going_records_the_wrong_kernel_as_an_error_row",
+    ],
+    integration=[
+        "test_benchmark_smoke_writes_json_and_markdown",
+        "test_model_only_writes_every_row_of_the_sweep_without_a_gpu",
+        "test_device_run_script_records_the_environment_and_refuses_a_cpu",
+    ])
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SWEEP = [sys.executable, "-m", "benchmarks.kernel_sweep"]
 _LOWER = [sys.executable, "-m", "benchmarks.lower_check"]

@@ -18,6 +18,11 @@ from benchmarks import gpu_kernel_checks as checks
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_every_case_lowers_for_sm90"],
+    slow=["test_a_decode_case_passes_in_interpret_mode"],
+    integration=["test_usage_errors_exit_2"])
+
 SMALL = [c for c in checks.CASES if c.m <= 120 and c.dtype == checks.BF16][:3]
 
 

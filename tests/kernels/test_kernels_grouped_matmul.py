@@ -22,6 +22,10 @@ import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
 from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_lowers_for_sm90_at_k3_shapes"],
+    slow=["test_float32_prefill_tiles_run_in_interpret_mode", "test_interpret_race_detector_finds_no_races"])
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 

@@ -28,6 +28,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import kernel_cases as kc
 from pallas_kernels.grouped_matmul import mosaic_sm90
 
+pytestmark = pytest.mark.tiers(
+    slow=["test_interpret_race_detector_finds_no_races_in_the_chain"])
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 

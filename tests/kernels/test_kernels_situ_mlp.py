@@ -17,6 +17,9 @@ from pallas_kernels import resolve_backend, situ_mlp_up
 from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
 from pallas_kernels.situ_mlp import mosaic_sm90, reference
 
+pytestmark = pytest.mark.tiers(
+    compile=["test_lowers_for_sm90_at_k3_shapes"])
+
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 

@@ -30,6 +30,8 @@ from k3jax.aot import h200_mesh, ptxas_dump
 from k3jax.layout import ParallelConfig
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up
 
+pytestmark = pytest.mark.compile
+
 SITU = {"beta": 4.0, "linear_beta": 25.0}
 # K3 at EP 8: 112 local experts, latent 3584, intermediate 3072; decode: M / G < 128.
 DECODE, PREFILL = (300, 112), (4096, 28)

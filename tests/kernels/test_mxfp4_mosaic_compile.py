@@ -17,6 +17,8 @@ from compile_cache import kernel_reports
 
 from benchmarks import compile_table
 
+pytestmark = pytest.mark.compile
+
 LOCAL_EXPERTS = 112   # 896 experts / EP 8
 TOP_K = 16
 SHAPES = {"gate_up_situ": (3584, 3072, 2), "down": (3072, 3584, 1)}

@@ -42,6 +42,14 @@ from pallas_kernels.grouped_matmul import triton_sm80
 from pallas_kernels.situ_mlp import triton_sm80 as mlp_triton_sm80
 from pallas_kernels.triton_target import target_capability, triton_target
 
+pytestmark = pytest.mark.tiers(
+    compile=[
+        "test_every_configuration_compiles_without_spills",
+        "test_other_architectures_compile",
+        "test_moe_layer_lowers_and_compiles_for_cuda",
+        "test_benchmark_triton_configs_lower_for_sm90",
+    ])
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 
