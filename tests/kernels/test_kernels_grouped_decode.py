@@ -24,9 +24,8 @@ from pallas_kernels.grouped_matmul import api, mosaic_sm90, tile_choice, tile_ta
 from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
 
 pytestmark = pytest.mark.tiers(
-    compile=["test_launcher_decode_tiles_compile_for_sm90a_without_spills"],
-    slow=["test_model_decode_rows_x_bytes_and_weight_reads",
-          "test_sweep_times_the_x_lean_tiling_beside_the_launchers"])
+    compile=["test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills",
+             "test_every_table_swap_ab_tiling_compiles_for_sm90a_without_spills"])
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
