@@ -47,7 +47,6 @@ from k3jax.layout import (
     make_mesh,
 )
 from k3jax.modules import KimiMLP, RandomSource, build_layer
-from k3jax.ops import SiTU
 
 DEFAULT_TOKENS = (8, 32, 128, 256, 512, 1024, 2048)
 LAYOUTS = ("replicated", "sharded")
@@ -227,18 +226,16 @@ def _bench_parallel(devices: int, layout: str, moe: bool,
 
 
 def _build(kind: str, cfg: K3Config, parallel: ParallelConfig, mesh, dtype, backend, seed: int):
-    layout = make_layout(cfg, parallel)
+    layout = make_layout(cfg, parallel, mesh, backend=backend, dtype=dtype)
     want = MlpMode.SP_SHARDED if parallel.shard_shared_expert else MlpMode.REPLICATED
     if layout.shared_mlp.mode is not want:
         raise ValueError(f"the shared expert cannot be {want.value} here: {layout.shared_mlp.reason}")
     if kind == "shared_expert":
-        module = KimiMLP(layout.shared_mlp, SiTU.from_config(cfg), mesh, dtype=dtype,
-                         source=RandomSource(seed), backend=backend)
+        module = KimiMLP(layout, layout.shared_mlp, mesh, source=RandomSource(seed))
     else:
         assert layout.moe_mode is MoEMode.EP
         first_moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-        module = build_layer(layout, first_moe, mesh, source=RandomSource(seed), dtype=dtype,
-                             backend=backend)
+        module = build_layer(layout, first_moe, mesh, source=RandomSource(seed))
     return module, layout
 
 

@@ -4,8 +4,9 @@ Data flows one way: config -> layout -> modules -> kernels.
 
     from k3jax import TINY, ParallelConfig, make_layout, make_mesh, build_layer, RandomSource
     parallel = ParallelConfig(dp=1, tp=8, sequence_parallel=True, expert_parallel=True)
-    layout = make_layout(TINY, parallel)
-    moe = build_layer(layout, 1, make_mesh(parallel), source=RandomSource(0))
+    mesh = make_mesh(parallel)
+    layout = make_layout(TINY, parallel, mesh)   # placement, backend, expert storage, dtype
+    moe = build_layer(layout, 1, mesh, source=RandomSource(0))
     y_TD = moe(x_TD)
 """
 
@@ -17,10 +18,10 @@ import importlib
 _EXPORTS = {
     "k3jax.config": ("K3", "PRESETS", "TINY", "TINY_GROUPED", "K3Config", "from_hf_config",
                      "preset"),
-    "k3jax.layout": ("DATA", "MESH_AXES", "TENSOR", "Layout", "MlpLayout", "MlpMode", "MoEMode",
-                     "ParallelConfig", "SharedOverlap", "abstract_mesh", "make_layout", "make_mesh",
-                     "mlp_layout",
-                     "padded_moe_intermediate"),
+    "k3jax.parallel_config": ("DATA", "MESH_AXES", "TENSOR", "ParallelConfig", "SharedOverlap",
+                              "abstract_mesh", "make_mesh"),
+    "k3jax.layout": ("ExpertStorage", "Layout", "LayoutError", "MlpLayout", "MlpMode", "MoEMode",
+                     "Mxfp4ShardError", "make_layout", "mlp_layout", "padded_moe_intermediate"),
     "k3jax.modules": ("AbstractSource", "KimiMLP", "KimiMoE", "ParamSource", "RandomSource",
                       "build_layer"),
     "k3jax.ops": ("SiTU", "rms_norm", "route", "routed_experts", "situ_mlp"),

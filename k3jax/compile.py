@@ -53,9 +53,8 @@ from k3jax.aot import (
 from k3jax.config import K3Config
 from k3jax.hlo_schedule import ScheduledCollective, collective_schedule, collective_table
 from k3jax.kernel_ptxas import PeerKernel, grouped_launches, tokamax_peer_reports
-from k3jax.layout import ParallelConfig, make_layout
+from k3jax.layout import ExpertStorage, Layout, ParallelConfig, make_layout
 from k3jax.modules import AbstractSource, build_layer
-from k3jax.modules.moe import ExpertStorage
 from k3jax.plan import EXPERT_DTYPES, WEIGHT_DTYPES, model_bytes, plan_layer_bytes
 
 BACKENDS = ("xla", "pallas")
@@ -68,6 +67,7 @@ class CompileReport:
 
     cfg: K3Config
     parallel: ParallelConfig
+    layout: Layout                   # the one the layer was built from
     layer: int
     tokens: int
     backend: str
@@ -96,7 +96,7 @@ class CompileReport:
         return self.needed_bytes <= self.device_memory_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        lay = make_layout(self.cfg, self.parallel)
+        lay = self.layout
         return {
             "layer": self.layer, "kind": "moe" if self.cfg.is_moe_layer(self.layer) else "dense",
             "tokens": self.tokens, "backend": self.backend, "dtype": self.dtype,
@@ -191,11 +191,11 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
-    layout = make_layout(cfg, parallel)
     mesh = h200_mesh(parallel)
     experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
-    module = build_layer(layout, layer, mesh, source=AbstractSource(), dtype=jnp.dtype(dtype),
-                         backend=backend, experts=experts)
+    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
+                         dtype=jnp.dtype(dtype))
+    module = build_layer(layout, layer, mesh, source=AbstractSource())
     graph, state = nnx.split(module)
     spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
     x_sharding = NamedSharding(mesh, spec)
@@ -219,8 +219,8 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     model = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)[0]["total"]
     text = compiled.as_text()
     flops, bytes_accessed = _cost(compiled)
-    return CompileReport(cfg=cfg, parallel=parallel, layer=layer, tokens=tokens, backend=backend,
-                         dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=per_device,
+    return CompileReport(cfg=cfg, parallel=parallel, layout=layout, layer=layer, tokens=tokens,
+                         backend=backend, dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=per_device,
                          planner_weight_bytes=planner, model_weight_bytes=model,
                          device_memory_bytes=target_summary()["device_memory_bytes"],
                          collectives=tuple(collective_schedule(text)), kernels=kernels,

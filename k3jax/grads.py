@@ -101,7 +101,7 @@ def grad_program(module: KimiMLP | KimiMoE):
     one per layout, dtype and backend, shared by every module of that kind
     (so tests and training loops compile it once). Lower it to read the HLO."""
     if isinstance(module, KimiMoE):
-        key = (KimiMoE, module.layout, module.mesh, module.dtype, module.backend, module.experts)
+        key = (KimiMoE, module.layout, module.mesh)   # the Layout holds dtype, backend, storage
     else:
         key = (KimiMLP, module.layout, module.act, module.mesh, module.dtype, module.backend)
     if key not in _PROGRAMS:
@@ -126,8 +126,8 @@ def _hidden(module: KimiMLP | KimiMoE) -> int:
 def module_decls(module: KimiMLP | KimiMoE) -> dict[str, ParamDecl]:
     """{param path: declaration} of every parameter of ``module``."""
     if isinstance(module, KimiMoE):
-        decls = (moe_decls(module.layout, module.dtype, module.experts)
-                 + mlp_decls(module.shared.layout, module.dtype, SHARED_PREFIX))
+        decls = moe_decls(module.layout) + mlp_decls(module.shared.layout, module.dtype,
+                                                     SHARED_PREFIX)
     else:
         decls = mlp_decls(module.layout, module.dtype)
     return {d.name: d for d in decls}

@@ -1,11 +1,25 @@
-"""Placement, decided once: mesh axes, the shared-expert gate, the padding rule,
-and a ``Layout`` value that every module and the planner read (SPEC 4 and 5).
+"""Every decision about one K3 layer, made once: the shared-expert gate, the
+padding rule (SPEC 4 and 5), the kernel backend, the routed experts' storage
+and the dtype, in one ``Layout`` that the modules, the planner, ``compile``,
+the loader and the gradients read. None of them re-derives any of it.
 
-Mesh axes (the only place they are named): ``DATA`` and ``TENSOR``.
+The mesh (axes ``DATA`` and ``TENSOR``, defined in k3jax.parallel_config and
+re-exported here) and the ParallelConfig come first; ``make_layout`` turns
+them, with the model config, into the Layout:
+
+    backend   resolved once from the mesh's devices ("auto": pallas on a
+              Hopper GPU, triton on other CUDA GPUs >= sm_80 with jax-triton,
+              xla elsewhere; pallas_kernels.backend). A layout made without
+              devices (no mesh, or an AbstractMesh: planning, abstract
+              modules) resolves "auto" to "xla".
+    experts   ExpertStorage: DENSE, MXFP4 (packed in device memory) or
+              MXFP4_DEQUANT (MXFP4 in the checkpoint, dequantized at load).
+              make_layout raises Mxfp4ShardError when packed MXFP4 cannot be
+              split this way.
+    dtype     the activations' and (non-MXFP4) weights' dtype.
 
 Token rows are split over ``token_axes``: (DATA, TENSOR) under sequence
-parallelism, else (DATA,) (the tensor axis then holds every row of its data
-group). The three layouts of an MLP and of the routed experts:
+parallelism, else (DATA,). The three layouts of an MLP and of the routed experts:
 
     MlpMode.REPLICATED   full weights; each device runs its own rows; no collective
     MlpMode.SP_SHARDED   gate/up columns and down rows split over TENSOR;
@@ -34,135 +48,27 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import os
-from typing import Sequence
 
-import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-
-DATA = "data"
-TENSOR = "tensor"
-MESH_AXES = (DATA, TENSOR)
-SHARD_SHARED_EXPERT_ENV = "K3JAX_SHARD_SP_SHARED_EXPERT"
-
-
-# --------------------------------------------------------------------------
-# ParallelConfig and the mesh
-# --------------------------------------------------------------------------
-class SharedOverlap(enum.Enum):
-    """How an SP-sharded MLP (shared expert, dense layer 0) moves its rows.
-
-    NONE   one all-gather of the input rows and one float32 reduce-scatter of
-           the partial sums; XLA decides what overlaps them.
-    RING   the same bytes as tp - 1 collective-permutes each way around the
-           tensor-axis ring, each block's gate/up (or down) matmul running
-           while the next block is in flight (k3jax.collective_matmul).
-    """
-
-    NONE = "none"
-    RING = "ring"
-
-
-DEFAULT_SHARED_OVERLAP = SharedOverlap.RING
-"""The default, chosen by the compiled 8 x H200 schedule of the K3 layers
-(tests/test_overlap_schedule.py): with RING every block's transfer is in
-flight across a matmul; with NONE XLA runs the dense layer's all-gather and
-reduce-scatter synchronously."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """How the block is spread over a (dp, tp) mesh.
-
-    shard_shared_expert: opt-in TP sharding of the shared expert and dense MLP
-      under sequence parallelism. Resolved once, at construction, to a bool:
-      None reads ``K3JAX_SHARD_SP_SHARED_EXPERT`` (``1`` on; ``0``, empty or
-      unset off) under sequence parallelism, the only place the gate consults
-      it; a malformed value raises there. Without sequence parallelism None
-      resolves to False without reading the variable (it cannot matter).
-    pad_under_ep: reproduce vLLM's pre-fix behaviour (padding applied under EP).
-      For side-by-side comparisons only; the padding is zeros, so outputs agree.
-    shared_overlap: how an SP-sharded shared expert / dense MLP moves its
-      rows (SharedOverlap); read only where an MLP is SP-sharded.
-    """
-
-    dp: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
-    expert_parallel: bool = False
-    shard_shared_expert: bool | None = None
-    pad_under_ep: bool = False
-    shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.shared_overlap, SharedOverlap):
-            raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
-                             f"got {self.shared_overlap!r}")
-        for name in ("dp", "tp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig: sequence_parallel needs tp > 1 "
-                             "(it splits tokens over the tensor axis)")
-        if self.pad_under_ep and not self.expert_parallel:
-            raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
-        if self.shard_shared_expert is None:
-            object.__setattr__(self, "shard_shared_expert",
-                               self.sequence_parallel and _shard_shared_expert_from_env())
-        elif not isinstance(self.shard_shared_expert, bool):
-            raise ValueError("ParallelConfig.shard_shared_expert must be a bool or None, "
-                             f"got {self.shard_shared_expert!r}")
-
-    @property
-    def num_devices(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def ep(self) -> int:
-        """Expert-parallel size: dp x tp under EP, else 1."""
-        return self.num_devices if self.expert_parallel else 1
-
-    @property
-    def token_axes(self) -> tuple[str, ...]:
-        """Mesh axes the token rows are split over: (DATA, TENSOR) under
-        sequence parallelism, else (DATA,)."""
-        return MESH_AXES if self.sequence_parallel else (DATA,)
-
-    @property
-    def row_shards(self) -> int:
-        """How many blocks the token rows are cut into (T is padded to a multiple)."""
-        return self.num_devices if self.sequence_parallel else self.dp
-
-    def describe(self) -> str:
-        parts = [f"dp={self.dp}", f"tp={self.tp}"]
-        if self.sequence_parallel:
-            parts.append("sequence-parallel")
-        if self.expert_parallel:
-            parts.append(f"expert-parallel (ep={self.ep})")
-        if self.shard_shared_expert:
-            parts.append("shard-shared-expert requested")
-        if self.pad_under_ep:
-            parts.append("pad-under-ep (pre-fix behaviour)")
-        return ", ".join(parts)
-
-
-def _shard_shared_expert_from_env() -> bool:
-    raw = os.environ.get(SHARD_SHARED_EXPERT_ENV, "0").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def check_mesh(mesh: Mesh | AbstractMesh, parallel: ParallelConfig, who: str) -> None:
-    """Raise ValueError unless ``mesh`` is the (dp, tp) mesh ``parallel`` describes."""
-    if tuple(mesh.axis_names) != MESH_AXES or tuple(mesh.axis_sizes) != (parallel.dp, parallel.tp):
-        raise ValueError(f"{who}: mesh {dict(mesh.shape)} does not match the layout "
-                         f"({parallel.describe()})")
+from k3jax.ops.mxfp4 import BLOCK_SIZE
+from k3jax.parallel_config import (
+    DATA,
+    DEFAULT_SHARED_OVERLAP,
+    MESH_AXES,
+    SHARD_SHARED_EXPERT_ENV,
+    TENSOR,
+    ParallelConfig,
+    SharedOverlap,
+    abstract_mesh,
+    check_mesh,
+    make_mesh,
+    padded_rows,
+)
+from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
 
 
 class LayoutError(ValueError):
@@ -171,31 +77,30 @@ class LayoutError(ValueError):
     layout, not a bug or a checkpoint problem (the CLIs name the flags)."""
 
 
-def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (dp, tp) mesh over ``devices``.
+class Mxfp4ShardError(LayoutError):
+    """Packed MXFP4 experts cannot be split this way (a shard would cut a
+    32-wide scale block); dense (dequantized) expert storage can."""
 
-    By default it uses every device of every process; a single process with
-    more devices than dp * tp takes the first dp * tp (handy on a CPU with 8
-    simulated devices). Axis types are Auto: the modules place weights and
-    tokens with explicit NamedShardings and shard_map in_specs themselves.
+
+class ExpertStorage(enum.Enum):
+    """How the routed experts' weights live in device memory.
+
+    DENSE          w1_ELF, w3_ELF, w2_EFL in the Layout's dtype (random values,
+                   or float experts read from a checkpoint)
+    MXFP4          uint8 codes + UE8M0 scales, packed along each weight's input
+                   axis; the grouped matmuls dequantize one active expert at a time
+    MXFP4_DEQUANT  MXFP4 in the checkpoint, dequantized to the Layout's dtype
+                   as it is loaded: in device memory exactly as DENSE
     """
-    if devices is None:
-        devices = jax.devices()
-        if jax.process_count() == 1 and len(devices) > parallel.num_devices:
-            devices = devices[:parallel.num_devices]
-    devices = list(devices)
-    if len(devices) != parallel.num_devices:
-        raise ValueError(f"dp * tp = {parallel.dp} * {parallel.tp} = {parallel.num_devices} "
-                         f"but {len(devices)} devices are available ({jax.default_backend()}); "
-                         f"on the CPU simulate more with --devices / jax_num_cpu_devices")
-    return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES,
-                         axis_types=(AxisType.Auto,) * 2, devices=devices)
 
+    DENSE = "dense"
+    MXFP4 = "mxfp4"
+    MXFP4_DEQUANT = "mxfp4-dequant"
 
-def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
-    """The mesh's shape without devices: for planning full-size layouts."""
-    return AbstractMesh((parallel.dp, parallel.tp), MESH_AXES,
-                        axis_types=(AxisType.Auto,) * 2)
+    @property
+    def packed(self) -> bool:
+        """Are the experts held as packed MXFP4 codes and scales?"""
+        return self is ExpertStorage.MXFP4
 
 
 # --------------------------------------------------------------------------
@@ -335,9 +240,11 @@ class Dispatch(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Everything placement-related for one K3 layer, decided once.
+    """Everything decided for one K3 layer: placement, backend, expert
+    storage, dtype (module docstring). Made by ``make_layout`` only.
 
-    Modules and the planner read it; neither re-derives anything in it.
+    Modules, the planner, compile, the loader and the gradients read it; none
+    re-derives anything in it. Hashable: jitted forwards are cached by it.
     """
 
     cfg: K3Config
@@ -347,6 +254,9 @@ class Layout:
     moe_mode: MoEMode
     expert_shards: int          # devices splitting one expert's intermediate
     padded_moe_intermediate: int
+    backend: ResolvedBackend    # the kernels' backend, resolved from the mesh's devices
+    experts: ExpertStorage      # how the routed experts live in device memory
+    dtype: jnp.dtype            # activations and non-MXFP4 weights
 
     # -- token rows --------------------------------------------------------
     @property
@@ -468,9 +378,23 @@ class Layout:
         return "\n".join(lines)
 
 
-def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
-    """Decide the layout of one K3 layer on a (dp, tp) mesh, with clear errors
-    for what the mesh cannot hold."""
+def make_layout(cfg: K3Config, parallel: ParallelConfig,
+                mesh: Mesh | AbstractMesh | None = None, *, backend: Backend = "auto",
+                experts: ExpertStorage = ExpertStorage.DENSE, dtype=jnp.float32) -> Layout:
+    """Decide every placement and build choice of one K3 layer on a (dp, tp)
+    mesh, with clear errors for what the mesh cannot hold.
+
+    ``mesh`` (the one the modules will run on) must be the mesh ``parallel``
+    describes; its devices resolve ``backend`` once (without devices, "auto"
+    is "xla"). Raises LayoutError when a size does not split over the mesh,
+    and Mxfp4ShardError when packed MXFP4 experts (``experts`` MXFP4, a model
+    with MoE layers) would cut a 32-wide scale block."""
+    if not isinstance(experts, ExpertStorage):
+        raise ValueError(f"make_layout: experts must be an ExpertStorage, got {experts!r}")
+    if mesh is not None:
+        check_mesh(mesh, parallel, "make_layout")
+    devices = list(mesh.devices.flat) if isinstance(mesh, Mesh) else None
+    resolved = resolve_backend(backend, devices) if devices or backend != "auto" else "xla"
     if parallel.expert_parallel:
         moe_mode = MoEMode.EP
         if cfg.num_experts % parallel.ep:
@@ -486,18 +410,29 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig) -> Layout:
         shards = padding_shards = 1
     padded = padded_moe_intermediate(cfg.moe_intermediate_size, padding_shards,
                                      cfg.min_moe_intermediate_per_partition)
+    if experts.packed and cfg.num_moe_layers:
+        _check_mxfp4_shards(cfg, shards, padded)
     return Layout(cfg=cfg, parallel=parallel,
                   dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size),
                   shared_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.shared_intermediate_size),
-                  moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded)
+                  moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
+                  backend=resolved, experts=experts, dtype=jnp.dtype(dtype))
 
 
-def padded_rows(num_tokens: int, row_shards: int) -> int:
-    """T rounded up to a multiple of the row blocks (SPEC 4: L = ceil(T / shards))."""
-    return math.ceil(num_tokens / row_shards) * row_shards
+def _check_mxfp4_shards(cfg: K3Config, shards: int, padded: int) -> None:
+    """Packed codes and scales run along each weight's input axis (L for w1/w3,
+    F for w2), so the latent width and each shard's intermediate, real and
+    padded, must be whole 32-wide scale blocks."""
+    L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    for what, width in (("latent width", L), ("per-shard intermediate", I // shards),
+                        ("padded per-shard intermediate", padded // shards)):
+        if width % BLOCK_SIZE:
+            raise Mxfp4ShardError(f"MXFP4 packed experts need the {what} ({width}) to be a "
+                                  f"multiple of {BLOCK_SIZE}; store the experts dequantized instead")
 
 
-__all__ = ["DATA", "TENSOR", "MESH_AXES", "ParallelConfig", "SharedOverlap",
-           "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",
+__all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
+           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
-           "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError"]
+           "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError",
+           "Mxfp4ShardError", "ExpertStorage"]

@@ -38,6 +38,7 @@ from k3jax.config import K3Config
 from k3jax.layout import (
     TENSOR,
     Dispatch,
+    ExpertStorage,
     Layout,
     MlpLayout,
     MlpMode,
@@ -49,7 +50,7 @@ from k3jax.layout import (
 )
 from k3jax.memory import param_shard_bytes, param_shard_shapes
 from k3jax.modules import AbstractSource, build_layer
-from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS, ExpertStorage
+from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS
 
 WEIGHT_DTYPES = ("bfloat16", "float32")
 EXPERT_DTYPES = ("mxfp4", "bfloat16", "float32")
@@ -75,13 +76,22 @@ def _moe_component(path: str) -> str:
 # --------------------------------------------------------------------------
 # Modules, built abstractly
 # --------------------------------------------------------------------------
-def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype="bfloat16",
-                   experts: ExpertStorage = ExpertStorage.DENSE):
+def planning_layout(cfg: K3Config, parallel: ParallelConfig, *, dtype: str = "bfloat16",
+                    expert_dtype: str = "mxfp4") -> Layout:
+    """The Layout the planner reads: weights in ``dtype``, routed experts
+    packed MXFP4 when ``expert_dtype`` is "mxfp4" (else dense), backend xla
+    (its modules are abstract: nothing runs). Raises Mxfp4ShardError when
+    packed experts cannot be split over ``parallel``."""
+    _check_dtypes(dtype, expert_dtype)
+    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
+    return make_layout(cfg, parallel, abstract_mesh(parallel), backend="xla", experts=experts,
+                       dtype=jnp.dtype(dtype))
+
+
+def abstract_layer(layout: Layout, layer: int):
     """Layer ``layer``'s module (KimiMLP or KimiMoE) on an AbstractMesh: shapes,
     dtypes and shardings only, nothing allocated."""
-    layout = make_layout(cfg, parallel)
-    return build_layer(layout, layer, abstract_mesh(parallel), source=AbstractSource(),
-                       dtype=jnp.dtype(dtype), backend="xla", experts=experts)
+    return build_layer(layout, layer, abstract_mesh(layout.parallel), source=AbstractSource())
 
 
 def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
@@ -92,12 +102,10 @@ def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
 
     The module holds one float dtype, so float experts of another dtype than
     ``dtype`` are priced from their shard shapes at ``expert_dtype``'s size."""
-    _check_dtypes(dtype, expert_dtype)
-    mxfp4 = expert_dtype == "mxfp4"
-    module = abstract_layer(cfg, parallel, layer, dtype=dtype,
-                            experts=ExpertStorage.MXFP4 if mxfp4 else ExpertStorage.DENSE)
+    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
+    module = abstract_layer(layout, layer)
     out = param_shard_bytes(module)
-    if cfg.is_moe_layer(layer) and not mxfp4:
+    if cfg.is_moe_layer(layer) and not layout.experts.packed:
         itemsize = np.dtype(jnp.dtype(expert_dtype)).itemsize
         shapes = param_shard_shapes(module)
         out.update({name: math.prod(shapes[name][0]) * itemsize for name in DENSE_EXPERT_PARAMS})
@@ -181,9 +189,10 @@ class Collective:
                 "dtype": self.dtype, "bytes": self.bytes, "wire_bytes": self.wire_bytes}
 
 
-def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") -> list[Collective]:
+def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
     """The collectives one KimiMoE forward issues for ``tokens`` global tokens,
-    in program order, as the bodies in k3jax.modules.moe / mlp issue them:
+    in program order, as the bodies in k3jax.modules.moe / mlp issue them
+    (activations in ``layout.dtype``):
 
     Dispatch.OWN_ROWS (moe_rows_local: LOCAL, TP under SP, EP): all-gather over
       ``dispatch_axes`` of the latent rows (activation dtype), the top-k ids
@@ -202,7 +211,7 @@ def moe_collectives(layout: Layout, tokens: int, act_dtype: str = "bfloat16") ->
     D, L, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts_per_token
     sizes = {"data": par.dp, TENSOR: par.tp}
     local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
-    act = str(jnp.dtype(act_dtype))
+    act = str(layout.dtype)
     out: list[Collective] = []
     axes = layout.dispatch_axes
     if axes:
@@ -319,14 +328,13 @@ def make_plan(cfg: K3Config, parallel: ParallelConfig, *, tokens: int = 256,
               dtype: str = "bfloat16", expert_dtype: str = "mxfp4", source: str = "") -> Plan:
     """Plan ``cfg`` on ``parallel``. Raises ValueError for a layout the mesh
     cannot hold (e.g. an EP size that does not divide the experts)."""
-    _check_dtypes(dtype, expert_dtype)
-    layout = make_layout(cfg, parallel)
+    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
     totals, per_layer = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
     comparisons = _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype)
     return Plan(cfg=cfg, parallel=parallel, layout=layout, source=source, tokens=tokens,
                 dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=totals,
                 per_layer_bytes=per_layer,
-                collectives=tuple(moe_collectives(layout, tokens, dtype)) if cfg.num_moe_layers else (),
+                collectives=tuple(moe_collectives(layout, tokens)) if cfg.num_moe_layers else (),
                 comparisons=comparisons)
 
 
@@ -350,6 +358,6 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
 
 
 __all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
-           "moe_collectives", "sp_sharded_mlp_collectives", "abstract_layer",
+           "moe_collectives", "sp_sharded_mlp_collectives", "abstract_layer", "planning_layout",
            "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
            "EXPERT_DTYPES"]

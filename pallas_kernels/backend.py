@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Literal, get_args
+from typing import Literal, Sequence, get_args
 
 import jax
 
@@ -23,8 +23,8 @@ _VALID: tuple[str, ...] = get_args(Backend)
 
 @dataclasses.dataclass(frozen=True)
 class DeviceDescription:
-    """What "auto" looks at: ``platform`` is jax.default_backend() ("gpu",
-    "cpu", "tpu"); ``compute_capability`` the device's, "9.0" style on CUDA
+    """What "auto" looks at: ``platform`` as jax.default_backend() names it
+    ("gpu", "cpu", "tpu"); ``compute_capability`` the device's, "9.0" style on CUDA
     ("" when it reports none; ROCm reports "gfx..." names); ``triton_installed``
     whether jax-triton can be imported."""
 
@@ -55,19 +55,40 @@ def choose_backend(description: DeviceDescription) -> ResolvedBackend:
     return "xla"
 
 
-def default_device_description() -> DeviceDescription:
-    """The description of this process's default device."""
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", "") or "")
-    return DeviceDescription(platform=jax.default_backend(), compute_capability=capability,
+def describe_devices(devices: Sequence[jax.Device]) -> DeviceDescription:
+    """The description of ``devices`` (one kind of device: a mesh mixing
+    platforms or compute capabilities has no single backend)."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError("describe_devices: no devices")
+    kinds = {(d.platform, _capability(d)) for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"the devices mix platforms / compute capabilities {sorted(kinds)}; "
+                         f"one backend cannot serve them all")
+    (platform, capability), = kinds
+    return DeviceDescription(platform=_PLATFORM.get(platform, platform),
+                             compute_capability=capability,
                              triton_installed=importlib.util.find_spec("jax_triton") is not None)
 
 
-def resolve_backend(backend: Backend) -> ResolvedBackend:
-    """Map a user-facing backend name to the implementation that will run."""
+# jax.Device.platform names a CUDA / ROCm device "cuda" / "rocm"; DeviceDescription
+# uses jax.default_backend()'s "gpu" for both.
+_PLATFORM = {"cuda": "gpu", "rocm": "gpu"}
+
+
+def _capability(device: jax.Device) -> str:
+    return str(getattr(device, "compute_capability", "") or "")
+
+
+def resolve_backend(backend: Backend,
+                    devices: Sequence[jax.Device] | None = None) -> ResolvedBackend:
+    """Map a user-facing backend name to the implementation that will run on
+    ``devices`` ("auto" looks at them; None: this process's first device, for
+    an op called on its own). k3jax.layout.make_layout resolves once, from
+    its mesh's devices; the modules pass that resolved name to the ops."""
     if backend not in _VALID:
         raise ValueError(
             f"backend={backend!r} is not one of {_VALID}")
     if backend != "auto":
         return backend  # type: ignore[return-value]
-    return choose_backend(default_device_description())
+    return choose_backend(describe_devices(jax.devices()[:1] if devices is None else devices))

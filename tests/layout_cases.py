@@ -80,8 +80,9 @@ _MODULES: dict = {}
 
 def _build(cfg, name: str, layer: int, dtype_name: str):
     par = _ALL[name]
-    module = build_layer(make_layout(cfg, par), layer, make_mesh(par), source=RandomSource(SEED),
-                         dtype=jnp.dtype(dtype_name), backend="xla")
+    mesh = make_mesh(par)
+    layout = make_layout(cfg, par, mesh, backend="xla", dtype=jnp.dtype(dtype_name))
+    module = build_layer(layout, layer, mesh, source=RandomSource(SEED))
     graph, state = nnx.split(module)
     fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD))
     return module, state, fn
@@ -162,8 +163,9 @@ def compiled_hlo(cfg, name: str, layer: int, T: int, dtype=jnp.float32) -> str:
     and x_TD [T, D] placed as the layout places token rows (replicated when T
     does not split evenly)."""
     par = _ALL[name]
-    layout, mesh = make_layout(cfg, par), make_mesh(par)
-    module = build_layer(layout, layer, mesh, source=AbstractSource(), dtype=dtype, backend="xla")
+    mesh = make_mesh(par)
+    layout = make_layout(cfg, par, mesh, backend="xla", dtype=dtype)
+    module = build_layer(layout, layer, mesh, source=AbstractSource())
     graph, state = nnx.split(module)
     spec = layout.x_TD if T % layout.row_shards == 0 else jax.sharding.PartitionSpec()
     x_TD = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.dtype(dtype),

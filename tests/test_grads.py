@@ -42,7 +42,8 @@ from test_collectives import MOE_EXPECTED
 from k3jax import TINY, MlpMode, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.grads import checkpoint_tensors, grad_program, layer_grads, param_path, split_trainable
-from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, ExpertStorage, KimiMoE, expert_weights
+from k3jax.layout import ExpertStorage
+from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, KimiMoE, expert_weights
 from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
 from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
@@ -345,8 +346,9 @@ def test_single_device_gradient_program_does_not_communicate():
 @functools.cache
 def mxfp4_case(name: str):
     par = LAYOUTS[name]
-    mod = build_layer(make_layout(TINY, par), LAYERS["moe"], make_mesh(par), source=RandomSource(SEED),
-                      backend="xla", experts=ExpertStorage.MXFP4)
+    mesh = make_mesh(par)
+    layout = make_layout(TINY, par, mesh, backend="xla", experts=ExpertStorage.MXFP4)
+    mod = build_layer(layout, LAYERS["moe"], mesh, source=RandomSource(SEED))
     x, dy = fresh(T_PAD, jnp.float32)
     return mod, x, dy, layer_grads(mod, x, dy)
 
@@ -394,11 +396,10 @@ def test_interpret_backend_gradients_match_xla(parallel):
     shard_map on 8 simulated devices can deadlock XLA:CPU's thread pool on 2
     cores."""
     mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
-    layout = make_layout(TINY, parallel)
     x, dy = fresh(T_PAD, jnp.float32)
     for layer in LAYERS.values():
-        got, want = (layer_grads(build_layer(layout, layer, mesh, source=RandomSource(SEED),
-                                             backend=backend), x, dy)
+        got, want = (layer_grads(build_layer(make_layout(TINY, parallel, mesh, backend=backend),
+                                             layer, mesh, source=RandomSource(SEED)), x, dy)
                      for backend in ("interpret", "xla"))
         assert rel_err(got.dx_TD, want.dx_TD) < TOL_KERNEL
         assert set(got.weights) == set(want.weights)

@@ -1,14 +1,20 @@
 """k3jax.layout: the shared-expert gate (SPEC 4), ParallelConfig validation,
-make_mesh errors, the padding rule (SPEC 5) and the Layout's properties.
+make_mesh errors, the padding rule (SPEC 5), the Layout's properties and its
+build decisions (backend from the mesh's devices, expert storage, dtype).
 
 Everything here is planning (no weights), so K3's full sizes are used.
 """
 
 from __future__ import annotations
 
+import re
+import types
 import typing
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax import (
@@ -25,8 +31,19 @@ from k3jax import (
     mlp_layout,
     padded_moe_intermediate,
 )
-from k3jax.layout import SHARD_SHARED_EXPERT_ENV, Dispatch, MlpLayout, SharedOverlap
+from k3jax.layout import (
+    SHARD_SHARED_EXPERT_ENV,
+    Dispatch,
+    ExpertStorage,
+    LayoutError,
+    MlpLayout,
+    Mxfp4ShardError,
+    SharedOverlap,
+    abstract_mesh,
+)
+from k3jax.modules import AbstractSource, KimiMLP, build_layer
 from k3jax.modules.params import Padding
+from pallas_kernels.backend import resolve_backend
 
 H, SHARED_I, DENSE_I = 7168, 6144, 33792       # K3 hidden, shared expert (2 x 3072), dense MLP
 ENV = SHARD_SHARED_EXPERT_ENV
@@ -372,3 +389,99 @@ def test_layout_is_decided_once_and_frozen():
     with pytest.raises(AttributeError):
         layout.moe_mode = MoEMode.LOCAL
     assert make_layout(K3, sp(8, True)) == layout
+
+
+# -- the build decisions: expert storage, backend, dtype ---------------------------
+@pytest.mark.parametrize("cfg, par, words", [
+    (TINY, ParallelConfig(tp=8), "per-shard intermediate (8) to be a multiple of 32"),
+    (TINY, ParallelConfig(tp=4), "per-shard intermediate (16) to be a multiple of 32"),
+    (TINY.replace(routed_expert_hidden_size=48), ParallelConfig(), "latent width (48)"),
+    (TINY.replace(min_moe_intermediate_per_partition=48), ParallelConfig(tp=2),
+     "padded per-shard intermediate (48)"),
+], ids=["tp8", "tp4", "latent", "padded"])
+def test_make_layout_raises_the_mxfp4_shard_error(cfg, par, words):
+    """Packed MXFP4 shardability is a layout fact: make_layout refuses it,
+    naming the dimension and the way out; dense storage (or MXFP4 dequantized
+    on load) of the same layout is fine."""
+    with pytest.raises(Mxfp4ShardError, match=re.escape(words) + ".*store the experts dequantized"):
+        make_layout(cfg, par, experts=ExpertStorage.MXFP4)
+    for storage in (ExpertStorage.DENSE, ExpertStorage.MXFP4_DEQUANT):
+        assert make_layout(cfg, par, experts=storage).experts is storage
+    assert issubclass(Mxfp4ShardError, LayoutError)
+
+
+def test_packed_mxfp4_that_splits_is_accepted():
+    layout = make_layout(TINY, ParallelConfig(tp=2), experts=ExpertStorage.MXFP4)
+    assert layout.experts.packed and not ExpertStorage.MXFP4_DEQUANT.packed
+    with pytest.raises(ValueError, match="experts must be an ExpertStorage, got 'mxfp4'"):
+        make_layout(TINY, ParallelConfig(tp=2), experts="mxfp4")
+
+
+def test_backend_is_resolved_once_from_the_mesh_devices(eight_devices, monkeypatch):
+    """"auto" is resolved from the mesh's devices when the Layout is made: a
+    CPU mesh says xla even if jax.devices() claimed Hopper GPUs, and an
+    explicit backend is kept as given."""
+    par = ParallelConfig(tp=8)
+    mesh = make_mesh(par, eight_devices)
+    hopper = [types.SimpleNamespace(platform="gpu", compute_capability="9.0")] * 8
+    monkeypatch.setattr(jax, "devices", lambda *a: hopper)
+    layout = make_layout(TINY, par, mesh)
+    assert layout.backend == "xla"
+    assert resolve_backend("auto", hopper) == "pallas"
+    assert resolve_backend("auto", mesh.devices.flat) == "xla"
+    assert make_layout(TINY, par, mesh, backend="interpret").backend == "interpret"
+    assert make_layout(TINY, par).backend == "xla"            # no devices: planning only
+    with pytest.raises(ValueError, match="backend='cuda' is not one of"):
+        make_layout(TINY, par, mesh, backend="cuda")
+
+
+def test_one_backend_for_one_kind_of_device():
+    mixed = [types.SimpleNamespace(platform="gpu", compute_capability="9.0"),
+             types.SimpleNamespace(platform="gpu", compute_capability="8.0")]
+    with pytest.raises(ValueError, match="mix platforms / compute capabilities"):
+        resolve_backend("auto", mixed)
+    cuda = [types.SimpleNamespace(platform="cuda", compute_capability="9.0")]
+    assert resolve_backend("auto", cuda) == "pallas"
+
+
+def test_make_layout_refuses_a_mesh_that_is_not_the_parallel_configs(eight_devices):
+    with pytest.raises(ValueError, match=r"make_layout: mesh \{.*\} does not match the layout"):
+        make_layout(TINY, ParallelConfig(tp=8), make_mesh(ParallelConfig(dp=8), eight_devices))
+
+
+def test_the_modules_read_the_layouts_decisions(eight_devices, monkeypatch):
+    """dtype, backend and expert storage come from the Layout alone: the MoE's
+    parameters and the backend its routed experts are called with."""
+    from k3jax.modules import moe as moe_module
+
+    par = ParallelConfig(tp=2)
+    mesh = make_mesh(par, eight_devices[:2])
+    layout = make_layout(TINY, par, mesh, backend="interpret", experts=ExpertStorage.MXFP4,
+                         dtype=jnp.bfloat16)
+    module = build_layer(layout, 1, mesh, source=AbstractSource())
+    assert (module.backend, module.experts, module.dtype) == ("interpret", ExpertStorage.MXFP4,
+                                                              jnp.bfloat16)
+    assert module.w1_packed_ELF.dtype == jnp.uint8 and module.lat_down_DL.dtype == jnp.bfloat16
+    assert module.shared.backend == "interpret" and module.shared.dtype == jnp.bfloat16
+    seen = []
+
+    def spy(*args, backend, **kw):
+        seen.append(backend)
+        return jnp.zeros((args[0].shape[0], args[0].shape[1]), jnp.float32)
+
+    monkeypatch.setattr(moe_module, "routed_experts", spy)
+    moe_module.moe_forward.cache_clear()
+    try:
+        graph, state = nnx.split(module)
+        jax.eval_shape(lambda s, x: nnx.merge(graph, s)(x), state,
+                       jax.ShapeDtypeStruct((4, TINY.hidden_size), jnp.bfloat16))
+    finally:
+        moe_module.moe_forward.cache_clear()
+    assert seen == ["interpret"]
+
+
+def test_an_mlp_takes_its_placement_from_its_layout():
+    layout = make_layout(TINY, ParallelConfig(tp=2))
+    other = make_layout(TINY.replace(intermediate_size=320), ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match="KimiMLP: mlp must be the Layout's dense_mlp or shared_mlp"):
+        KimiMLP(layout, other.dense_mlp, abstract_mesh(ParallelConfig(tp=2)), source=AbstractSource())

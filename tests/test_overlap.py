@@ -146,9 +146,9 @@ def h200_schedule(overlap: SharedOverlap, layer: int, T: int):
     (abstract weights; x_TD [T, 7168] in the layout's row sharding)."""
     cfg = K3 if layer == 0 else K3_FEW_EXPERTS
     parallel = _sp_shard(overlap)
-    layout, mesh = make_layout(cfg, parallel), h200_mesh(parallel)
-    module = build_layer(layout, layer, mesh, source=AbstractSource(), dtype=jnp.bfloat16,
-                         backend="xla")
+    mesh = h200_mesh(parallel)
+    layout = make_layout(cfg, parallel, mesh, backend="xla", dtype=jnp.bfloat16)
+    module = build_layer(layout, layer, mesh, source=AbstractSource())
     graph, state = nnx.split(module)
     x = jax.ShapeDtypeStruct((T, cfg.hidden_size), jnp.bfloat16,
                              sharding=NamedSharding(mesh, layout.x_TD))
@@ -193,7 +193,8 @@ def test_h200_ring_moves_the_bytes_of_the_all_gather_and_reduce_scatter():
     assert {c.kind for c in ring} == {"collective-permute"}
     ring_bytes = sum(_wire_bytes(c) for c in ring)
     assert ring_bytes == sum(_wire_bytes(c) for c in none) == 7 * 1024 * 7168 * (2 + 4)
-    planned = [c for c in moe_collectives(make_layout(K3, _sp_shard(SharedOverlap.RING)), 8192)
+    layout = make_layout(K3, _sp_shard(SharedOverlap.RING), dtype=jnp.bfloat16)
+    planned = [c for c in moe_collectives(layout, 8192)
                if c.kind == "collective-permute"]
     assert sum(c.wire_bytes for c in planned) == ring_bytes
 

@@ -69,8 +69,8 @@ def test_k3_shared_expert_bytes_spec6(tp):
     per_layer = {}
     for shard in (False, True):
         par = ParallelConfig(tp=tp, sequence_parallel=True, shard_shared_expert=shard)
-        moe = build_layer(make_layout(K3, par), 1, abstract_mesh(par), source=AbstractSource(),
-                          dtype=jnp.bfloat16)
+        moe = build_layer(make_layout(K3, par, dtype=jnp.bfloat16), 1, abstract_mesh(par),
+                          source=AbstractSource())
         per_layer[shard] = sum(param_shard_bytes(moe)[f"shared.{n}"] for n in SHARED)
     assert per_layer[False] == replicated_shared_bytes(K3, 2) == 264_241_152
     assert per_layer[True] * tp == per_layer[False]

@@ -10,6 +10,7 @@ import re
 from fractions import Fraction
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -113,16 +114,16 @@ def test_dtype_overrides():
 def test_mxfp4_plan_matches_placed_packed_experts(eight_devices):
     """MXFP4 bytes in the plan are the bytes of really placed packed expert
     arrays (uint8 codes + scales), per device, in TP (padded) and EP layouts."""
-    import jax.numpy as jnp
-
     from k3jax import RandomSource, make_mesh
+    from k3jax.layout import ExpertStorage
     from k3jax.memory import addressable_bytes_per_device
-    from k3jax.modules.moe import ExpertStorage, KimiMoE
+    from k3jax.modules.moe import KimiMoE
     cfg = TINY.replace(moe_intermediate_size=256, min_moe_intermediate_per_partition=64)
     for parallel in (ParallelConfig(tp=8), ParallelConfig(tp=8, sequence_parallel=True,
                                                           expert_parallel=True)):
-        module = KimiMoE(make_layout(cfg, parallel), make_mesh(parallel, eight_devices),
-                         dtype=jnp.bfloat16, source=RandomSource(0), experts=ExpertStorage.MXFP4)
+        mesh = make_mesh(parallel, eight_devices)
+        layout = make_layout(cfg, parallel, mesh, experts=ExpertStorage.MXFP4, dtype=jnp.bfloat16)
+        module = KimiMoE(layout, mesh, source=RandomSource(0))
         planned = sum(layer_param_bytes(cfg, parallel, 1, dtype="bfloat16").values())
         resident = addressable_bytes_per_device(module)
         assert set(resident.values()) == {planned}, (parallel, resident, planned)
@@ -240,11 +241,11 @@ TINY_LAYOUTS = {**LAYOUTS, **EXTRA_LAYOUTS,
 def test_plan_matches_placed_arrays(eight_devices, name):
     parallel = TINY_LAYOUTS[name]
     mesh = make_mesh(parallel, eight_devices[:parallel.num_devices])
-    layout = make_layout(TINY, parallel)
+    layout = make_layout(TINY, parallel, mesh, backend="xla")
     plan = make_plan(TINY, parallel, dtype="float32", expert_dtype="float32")
     total = 0
     for layer, kind in ((0, "dense"), (1, "moe")):
-        module = build_layer(layout, layer, mesh, source=HostRandomSource(layer), backend="xla")
+        module = build_layer(layout, layer, mesh, source=HostRandomSource(layer))
         real = param_shard_bytes(module)
         assert real == layer_param_bytes(TINY, parallel, layer, dtype="float32", expert_dtype="float32")
         resident = addressable_bytes_per_device(module)
@@ -302,10 +303,10 @@ def hlo_collectives(text: str, parallel: ParallelConfig) -> list[tuple[str, tupl
     return out
 
 
-def planned_as_hlo(layout, tokens: int, dtype: str):
+def planned_as_hlo(layout, tokens: int):
     """The plan in the HLO's terms: a reduce-scatter's output is its buffer / group."""
     out = []
-    for c in moe_collectives(layout, tokens, dtype):
+    for c in moe_collectives(layout, tokens):
         shape = c.shape
         if c.kind == "reduce-scatter":
             shape = (shape[0] // c.group, *shape[1:])
@@ -326,8 +327,8 @@ def test_collectives_match_compiled_hlo(eight_devices, name):
     combining several collectives into one variadic op."""
     parallel = TINY_LAYOUTS[name]
     mesh = make_mesh(parallel, eight_devices[:parallel.num_devices])
-    layout = make_layout(TINY, parallel)
-    module = build_layer(layout, 1, mesh, source=HostRandomSource(3), backend="xla")
+    layout = make_layout(TINY, parallel, mesh, backend="xla")
+    module = build_layer(layout, 1, mesh, source=HostRandomSource(3))
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
     tokens = 32
@@ -336,29 +337,32 @@ def test_collectives_match_compiled_hlo(eight_devices, name):
                        NamedSharding(mesh, layout.x_TD))
     text = forward.lower(state, x).compile().as_text()
     compiled = hlo_collectives(text, parallel)
-    planned = planned_as_hlo(layout, tokens, "float32")
+    assert layout.dtype == jnp.float32
+    planned = planned_as_hlo(layout, tokens)
     assert collections.Counter(compiled) == collections.Counter(planned), (compiled, planned)
     assert "all-to-all" not in {k for k, *_ in compiled}
 
 
 def test_collective_bytes_full_size():
     """Bytes per device at K3 size: EP 16 (dp 2 x tp 8, SP), sharded shared expert, T = 1024."""
-    layout = make_layout(K3, ep(16, shard_shared_expert=True, shared_overlap=SharedOverlap.NONE))
-    got = {(c.kind, c.what): (c.axes, c.bytes) for c in moe_collectives(layout, 1024, "bfloat16")}
+    layout = make_layout(K3, ep(16, shard_shared_expert=True, shared_overlap=SharedOverlap.NONE),
+                         dtype=jnp.bfloat16)
+    got = {(c.kind, c.what): (c.axes, c.bytes) for c in moe_collectives(layout, 1024)}
     assert got[("all-gather", "latent rows")] == (("data", "tensor"), 1024 * 3584 * 2)
     assert got[("all-gather", "top-k expert ids")] == (("data", "tensor"), 1024 * 16 * 4)
     assert got[("reduce-scatter", "routed latent (partial sums)")] == (("data", "tensor"), 1024 * 3584 * 4)
     assert got[("all-gather", "shared-expert input rows")] == (("tensor",), 512 * 7168 * 2)
     assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 4)
     # the ring form: 7 blocks of [64, D] each way, the same bytes over the wire
-    ring = moe_collectives(make_layout(K3, ep(16, shard_shared_expert=True)), 1024, "bfloat16")
+    ring = moe_collectives(make_layout(K3, ep(16, shard_shared_expert=True), dtype=jnp.bfloat16),
+                           1024)
     permutes = [c for c in ring if c.kind == "collective-permute"]
     assert [(c.axes, c.shape, c.dtype) for c in permutes] == (
         [(("tensor",), (64, 7168), "bfloat16")] * 7 + [(("tensor",), (64, 7168), "float32")] * 7)
-    unoverlapped = [c for c in moe_collectives(layout, 1024, "bfloat16") if c.axes == ("tensor",)]
+    unoverlapped = [c for c in moe_collectives(layout, 1024) if c.axes == ("tensor",)]
     assert sum(c.wire_bytes for c in permutes) == sum(c.wire_bytes for c in unoverlapped)
     assert sum(c.wire_bytes for c in permutes) == 7 * 64 * 7168 * (2 + 4)
-    tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8)), 1000, "bfloat16")
+    tp = moe_collectives(make_layout(K3, ParallelConfig(tp=8), dtype=jnp.bfloat16), 1000)
     assert [(c.kind, c.axes, c.bytes) for c in tp] == [("all-reduce", ("tensor",), 1000 * (3584 + 7168) * 4)]
 
 

@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
 from k3jax import TINY, KimiMLP, KimiMoE, MlpMode, ParallelConfig, SiTU, make_layout, make_mesh
-from k3jax.layout import abstract_mesh
+from k3jax.layout import ExpertStorage, abstract_mesh
 from k3jax.modules import AbstractSource, RandomSource, build_layer
-from k3jax.modules.moe import ExpertStorage, expert_weights
+from k3jax.modules.moe import expert_weights
 from k3jax.plan import make_plan
 from numerics import rel_err
 from pallas_kernels.mxfp4 import Mxfp4Weights
@@ -41,7 +41,7 @@ def test_modules_reject_a_mesh_that_is_not_their_layouts(layout_par, mesh):
     layout = make_layout(TINY, layout_par)
     with pytest.raises(ValueError, match=r"KimiMLP: mesh \{.*\} does not match the layout "
                                          rf"\({re.escape(layout_par.describe())}\)"):
-        KimiMLP(layout.shared_mlp, ACT, mesh, source=AbstractSource())
+        KimiMLP(layout, layout.shared_mlp, mesh, source=AbstractSource())
     with pytest.raises(ValueError, match=r"KimiMoE: mesh .* does not match the layout"):
         KimiMoE(layout, mesh, source=AbstractSource())
 
@@ -52,9 +52,10 @@ def test_mlp_rows_follow_the_layout(eight_devices):
     replicated over the tensor axis)."""
     x = jnp.asarray(np.random.default_rng(2).standard_normal((16, TINY.hidden_size)), jnp.float32)
     for par in (SP8[True], ParallelConfig(tp=8)):
-        layout = make_layout(TINY, par)
         mesh = make_mesh(par, eight_devices)
-        mlp = KimiMLP(layout.shared_mlp, ACT, mesh, source=RandomSource(1), backend="xla")
+        layout = make_layout(TINY, par, mesh, backend="xla")
+        mlp = KimiMLP(layout, layout.shared_mlp, mesh, source=RandomSource(1))
+        assert mlp.act == ACT
         assert mlp(x).sharding.is_equivalent_to(NamedSharding(mesh, layout.x_TD), 2)
 
 
@@ -76,10 +77,10 @@ def test_sp_sharded_bf16_equals_replicated_up_to_the_final_rounding(eight_device
     x = np.random.default_rng(0).standard_normal((61, hidden)).astype(np.float32)
     outs = {}
     for shard, par in SP8.items():
-        layout = make_layout(cfg, par)
+        mesh = make_mesh(par, eight_devices)
+        layout = make_layout(cfg, par, mesh, backend="xla", dtype=jnp.bfloat16)
         assert layout.shared_mlp.mode is (MlpMode.SP_SHARDED if shard else MlpMode.REPLICATED)
-        mlp = KimiMLP(layout.shared_mlp, ACT, make_mesh(par, eight_devices), dtype=jnp.bfloat16,
-                      source=RandomSource(1), backend="xla")
+        mlp = KimiMLP(layout, layout.shared_mlp, mesh, source=RandomSource(1))
         y = mlp(jnp.asarray(x))
         assert y.dtype == jnp.bfloat16
         outs[shard] = np.asarray(y.astype(jnp.float32), np.float64)
@@ -117,11 +118,11 @@ def test_expert_weights_follow_the_declared_storage():
 # -- one device under EP: nothing to exchange -----------------------------------------
 def test_ep_on_one_device_issues_and_plans_no_collectives(eight_devices):
     par = ParallelConfig(expert_parallel=True)
-    layout = make_layout(TINY, par)
+    mesh = make_mesh(par, eight_devices[:1])
+    layout = make_layout(TINY, par, mesh, backend="xla")
     assert layout.dispatch_axes == ()
     assert make_plan(TINY, par).collectives == ()
-    module = build_layer(layout, 1, make_mesh(par, eight_devices[:1]), source=RandomSource(0),
-                         backend="xla")
+    module = build_layer(layout, 1, mesh, source=RandomSource(0))
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
     text = forward.lower(state, jnp.ones((32, TINY.hidden_size))).compile().as_text()

@@ -63,8 +63,7 @@ def _print(report, as_json: bool) -> int:
 
 def _compile(args: argparse.Namespace):
     from k3jax.compile import compile_layer
-    from k3jax.layout import LayoutError
-    from k3jax.modules.moe import Mxfp4ShardError
+    from k3jax.layout import LayoutError, Mxfp4ShardError
 
     cfg, _ = config_from_args(args)
     parallel = parallel_from_args(args, None)

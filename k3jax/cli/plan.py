@@ -48,8 +48,7 @@ def _print(plan, as_json: bool) -> int:
 
 
 def _plan(args: argparse.Namespace):
-    from k3jax.layout import LayoutError
-    from k3jax.modules.moe import Mxfp4ShardError
+    from k3jax.layout import LayoutError, Mxfp4ShardError
     from k3jax.plan import make_plan
 
     cfg, source = config_from_args(args)

@@ -210,9 +210,8 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
 
     from k3jax.checkpoint import load_layer, make_synthetic_checkpoint
     from k3jax.config import TINY
-    from k3jax.layout import LayoutError, make_mesh
+    from k3jax.layout import LayoutError, Mxfp4ShardError, make_mesh
     from k3jax.memory import format_bytes, param_shard_bytes
-    from k3jax.modules.moe import Mxfp4ShardError
 
     with tempfile.TemporaryDirectory(prefix="k3jax-tiny-") as tmp:
         if args.checkpoint is None:

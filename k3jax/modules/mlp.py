@@ -17,12 +17,12 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.collective_matmul import ring_sp_mlp
-from k3jax.layout import TENSOR, MlpLayout, MlpMode, SharedOverlap, check_mesh
+from k3jax.layout import TENSOR, Layout, MlpLayout, MlpMode, SharedOverlap, check_mesh
 from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, situ_mlp
 from k3jax.ops.matmul import matmul
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
-from pallas_kernels.backend import Backend
+from pallas_kernels.backend import ResolvedBackend
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 MlpWeights = dict[str, jax.Array]   # {"gate_DF", "up_DF", "down_FD"}
@@ -41,18 +41,18 @@ def mlp_decls(layout: MlpLayout, dtype, prefix: str = "") -> list[ParamDecl]:
 # weights are this device's shards: gate_DF, up_DF [D, F/s], down_FD [F/s, D],
 # s = 1 (REPLICATED) or tp (SP_SHARDED, TP). Each returns y_TD [T, D] in x's dtype
 # (mlp_tp_partial: the unreduced float32 partial sum).
-def mlp_replicated_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+def mlp_replicated_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     """Full weights, own rows, no collective."""
     return situ_mlp(x_TD, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend)
 
 
-def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     """This F shard's float32 partial sum [T, D] of the rows given (unreduced)."""
     return situ_mlp(x_TD, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend,
                     out_dtype=jnp.float32)
 
 
-def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     """Rows split over TENSOR: all-gather them ([T * tp, D]) -> float32 partial
     MLP on this F shard -> float32 reduce-scatter over TENSOR (sums the
     partials, returns own rows) -> x's dtype. Summing in float32 makes the
@@ -61,7 +61,7 @@ def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
     return scatter_rows(partial, TENSOR).astype(x_TD.dtype)
 
 
-def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     """As mlp_sp_sharded_local, overlapped (SharedOverlap.RING): the input
     rows travel the tensor-axis ring block by block (tp - 1 ppermutes of
     [T, D]), each block's gate/up + SiTU ([T, F/tp]) running while the next
@@ -78,7 +78,7 @@ def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
     return ring_sp_mlp(x_TD, up, down, TENSOR).astype(x_TD.dtype)
 
 
-def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: Backend):
+def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     """Rows replicated over TENSOR: column-parallel gate/up, row-parallel down,
     float32 all-reduce over TENSOR, cast to x's dtype."""
     return jax.lax.psum(mlp_tp_partial(x_TD, w, act, backend), TENSOR).astype(x_TD.dtype)
@@ -103,19 +103,24 @@ class KimiMLP(nnx.Module):
     ((data, tensor) under sequence parallelism, else (data,)); the output is
     placed that way when T is a multiple of the row blocks, else XLA chooses.
 
-    ``mesh`` must be the (dp, tp) mesh of ``layout.parallel``.
+    ``layer`` is the layer's Layout and ``mlp`` one of its MLPs
+    (``layer.dense_mlp`` or ``layer.shared_mlp``); the activation, dtype and
+    backend are the Layout's. ``self.layout`` is ``mlp``. ``mesh`` must be
+    the (dp, tp) mesh of ``layer.parallel``.
     """
 
-    def __init__(self, layout: MlpLayout, act: SiTU, mesh: Mesh | AbstractMesh, *,
-                 dtype=jnp.float32, source: ParamSource, backend: Backend = "auto",
-                 name_prefix: str = ""):
-        check_mesh(mesh, layout.parallel, "KimiMLP")
-        self.layout = layout
-        self.act = act
+    def __init__(self, layer: Layout, mlp: MlpLayout, mesh: Mesh | AbstractMesh, *,
+                 source: ParamSource, name_prefix: str = ""):
+        if mlp not in (layer.dense_mlp, layer.shared_mlp):
+            raise ValueError(f"KimiMLP: mlp must be the Layout's dense_mlp or shared_mlp, "
+                             f"got {mlp.mode.value} {mlp.hidden} x {mlp.intermediate}")
+        check_mesh(mesh, mlp.parallel, "KimiMLP")
+        self.layout = mlp
+        self.act = SiTU.from_config(layer.cfg)
         self.mesh = mesh
-        self.dtype = jnp.dtype(dtype)
-        self.backend = backend
-        make_params(self, mlp_decls(layout, self.dtype, name_prefix), mesh, source)
+        self.dtype = layer.dtype
+        self.backend = layer.backend
+        make_params(self, mlp_decls(mlp, self.dtype, name_prefix), mesh, source)
 
     def weights(self) -> MlpWeights:
         return {"gate_DF": self.gate_DF[...], "up_DF": self.up_DF[...],
@@ -129,7 +134,7 @@ class KimiMLP(nnx.Module):
 
 
 @functools.lru_cache(maxsize=64)
-def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: Backend):
+def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: ResolvedBackend):
     """The jitted global forward (x_TD, weights) -> y_TD of one MLP layout
     (``row_sharded_forward`` around the layout's body). Cached, so eager
     calls compile once per shape."""

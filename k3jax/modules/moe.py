@@ -33,7 +33,6 @@ Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch`
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
@@ -42,7 +41,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.config import K3Config
-from k3jax.layout import TENSOR, Dispatch, Layout, LayoutError, MlpMode, MoEMode, check_mesh
+from k3jax.layout import TENSOR, Dispatch, ExpertStorage, Layout, MlpMode, MoEMode, check_mesh
 from k3jax.modules.mlp import KimiMLP, mlp_local, mlp_tp_partial
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
@@ -50,16 +49,7 @@ from k3jax.ops.experts import ExpertWeight
 from k3jax.ops.matmul import matmul
 from k3jax.ops.mxfp4 import BLOCK_SIZE
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
-from pallas_kernels.backend import Backend
 from pallas_kernels.mxfp4 import Mxfp4Weights
-
-
-class ExpertStorage(enum.Enum):
-    """How routed-expert weights live in device memory."""
-
-    DENSE = "dense"     # w1_ELF, w3_ELF, w2_EFL in the module dtype
-    MXFP4 = "mxfp4"     # uint8 codes + UE8M0 scales, packed along each weight's input axis
-
 
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
 MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL"))
@@ -72,9 +62,10 @@ SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside K
 SHARED_SCOPE, ROUTED_SCOPE = "shared_expert", "routed_experts"
 
 
-def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENSE) -> list[ParamDecl]:
-    """The MoE's own parameters (the shared expert declares its own)."""
-    cfg = layout.cfg
+def moe_decls(layout: Layout) -> list[ParamDecl]:
+    """The MoE's own parameters (the shared expert declares its own), in the
+    Layout's dtype and expert storage."""
+    cfg, dtype = layout.cfg, layout.dtype
     D, L, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
     specs = layout.moe_param_specs()
     decls = [ParamDecl("router_DE", (D, E), dtype, specs["router_DE"], Init.WEIGHT, D),
@@ -83,9 +74,9 @@ def moe_decls(layout: Layout, dtype, experts: ExpertStorage = ExpertStorage.DENS
              ParamDecl("lat_up_LD", (L, D), dtype, specs["lat_up_LD"], Init.WEIGHT, L)]
     if cfg.latent_moe_use_norm:
         decls.append(ParamDecl("lat_norm_L", (L,), dtype, specs["lat_norm_L"], Init.NORM))
-    if experts is ExpertStorage.DENSE:
-        return decls + _dense_expert_decls(layout, dtype)
-    return decls + _mxfp4_expert_decls(layout)
+    if layout.experts.packed:
+        return decls + _mxfp4_expert_decls(layout)
+    return decls + _dense_expert_decls(layout, dtype)
 
 
 def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
@@ -99,22 +90,13 @@ def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
             ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
 
 
-class Mxfp4ShardError(LayoutError):
-    """Packed MXFP4 experts cannot be split this way (a shard would cut a
-    32-wide scale block); dense (dequantized) expert storage can."""
-
-
 def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     """Packed codes (2 per byte) and scales (1 per 32) along each weight's
-    input axis: L for w1/w3 (axis 1 of [E, L, F]), F for w2 (axis 1 of [E, F, L])."""
+    input axis: L for w1/w3 (axis 1 of [E, L, F]), F for w2 (axis 1 of [E, F, L]);
+    make_layout has checked that every shard holds whole 32-wide scale blocks."""
     cfg = layout.cfg
     L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     F, shards = layout.padded_moe_intermediate, layout.expert_shards
-    for what, width in (("latent width", L), ("per-shard intermediate", I // shards),
-                        ("padded per-shard intermediate", F // shards)):
-        if width % BLOCK_SIZE:
-            raise Mxfp4ShardError(f"MXFP4 packed experts need the {what} ({width}) to be a "
-                                  f"multiple of {BLOCK_SIZE}; store the experts dequantized instead")
     specs = layout.moe_param_specs()
     u8 = jnp.dtype(jnp.uint8)
     decls = []
@@ -133,10 +115,10 @@ def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
 
 def expert_weights(p: dict, experts: ExpertStorage) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
     """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
-    arrays as stored (DENSE), or Mxfp4Weights of the packed codes and scales
-    (MXFP4; the grouped matmuls dequantize them, one active expert at a time,
-    to the activations' dtype)."""
-    if experts is ExpertStorage.DENSE:
+    arrays as stored (DENSE, MXFP4_DEQUANT), or Mxfp4Weights of the packed
+    codes and scales (MXFP4; the grouped matmuls dequantize them, one active
+    expert at a time, to the activations' dtype)."""
+    if not experts.packed:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
     return tuple(Mxfp4Weights(p[f"{w}_packed_{axes}"], p[f"{w}_scale_{axes}"])
                  for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL")))
@@ -158,8 +140,7 @@ def _latent_out(r_TL, p, cfg: K3Config, dtype):
     return matmul(r, p["lat_up_LD"])
 
 
-def _routed_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
-                   experts: ExpertStorage):
+def _routed_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     """Route own rows x_TD [T, D], then the routed experts held here -> float32
     latent r_TL [T, L], summed over the experts of this device (EP: global ids
     from ``first_expert``). With ``layout.dispatch_axes``, lat/ids/weights are
@@ -172,29 +153,26 @@ def _routed_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Back
     first_expert = 0
     if layout.moe_mode is MoEMode.EP:
         first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, experts), act,
-                          first_expert=first_expert, backend=backend)
+    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, layout.experts), act,
+                          first_expert=first_expert, backend=layout.backend)
     return scatter_rows(r_TL, axes) if axes else r_TL
 
 
-def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
-                   experts: ExpertStorage):
+def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     """Dispatch.OWN_ROWS: route own rows; all-gather lat/ids/weights over
     ``layout.dispatch_axes`` ([T * n, .], n their size); run the experts held
     here (global ids from ``first_expert`` under EP); reduce-scatter the float32
     latent back to [T, L]; add the shared expert of own rows (replicated or
     SP-sharded, which issues its own gather / scatter over TENSOR)."""
     with jax.named_scope(ROUTED_SCOPE):
-        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act, backend=backend,
-                              experts=experts)
+        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act)
         routed_TD = _latent_out(r_TL, p, layout.cfg, x_TD.dtype)
     with jax.named_scope(SHARED_SCOPE):
-        shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, backend)
+        shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, layout.backend)
     return routed_TD + shared_TD
 
 
-def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backend,
-                 experts: ExpertStorage):
+def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     """Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated over TENSOR.
     TP: every expert's F split. EP over plain TP: the experts held here are
     whole (global ids from ``first_expert``); with dp > 1 lat/ids/weights are
@@ -206,10 +184,9 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU, backend: Backen
     if layout.shared_mlp.mode is not MlpMode.TP:
         raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
     with jax.named_scope(ROUTED_SCOPE):
-        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act, backend=backend,
-                              experts=experts)
+        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act)
     with jax.named_scope(SHARED_SCOPE):
-        shared_TD = mlp_tp_partial(x_TD, p["shared"], act, backend)
+        shared_TD = mlp_tp_partial(x_TD, p["shared"], act, layout.backend)
     L = r_TL.shape[1]
     both = jax.lax.psum(jnp.concatenate([r_TL, shared_TD], axis=1), TENSOR)
     return _latent_out(both[:, :L], p, layout.cfg, x_TD.dtype) + both[:, L:].astype(x_TD.dtype)
@@ -222,23 +199,23 @@ class KimiMoE(nnx.Module):
     """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> y_TD
     [T, D]. Rows are computed split over ``layout.token_axes``; the output is
     placed that way when T is a multiple of the row blocks, else XLA chooses.
-    ``mesh`` must be the (dp, tp) mesh of ``layout.parallel``."""
+    Dtype, backend and expert storage are the Layout's (``self.dtype``,
+    ``self.backend``, ``self.experts`` repeat them). ``mesh`` must be the
+    (dp, tp) mesh of ``layout.parallel``."""
 
-    def __init__(self, layout: Layout, mesh: Mesh | AbstractMesh, *, dtype=jnp.float32,
-                 source: ParamSource, backend: Backend = "auto",
-                 experts: ExpertStorage = ExpertStorage.DENSE):
+    def __init__(self, layout: Layout, mesh: Mesh | AbstractMesh, *, source: ParamSource):
         check_mesh(mesh, layout.parallel, "KimiMoE")
         self.layout = layout
         self.cfg = layout.cfg
         self.mesh = mesh
-        self.dtype = jnp.dtype(dtype)
-        self.backend = backend
+        self.dtype = layout.dtype
+        self.backend = layout.backend
         self.act = SiTU.from_config(self.cfg)
-        self.experts = experts
-        self._decls = moe_decls(layout, self.dtype, experts)
+        self.experts = layout.experts
+        self._decls = moe_decls(layout)
         make_params(self, self._decls, mesh, source)
-        self.shared = KimiMLP(layout.shared_mlp, self.act, mesh, dtype=dtype, source=source,
-                              backend=backend, name_prefix=SHARED_PREFIX)
+        self.shared = KimiMLP(layout, layout.shared_mlp, mesh, source=source,
+                              name_prefix=SHARED_PREFIX)
 
     def weights(self) -> dict:
         return {**{d.name: getattr(self, d.name)[...] for d in self._decls},
@@ -248,20 +225,17 @@ class KimiMoE(nnx.Module):
         D = self.cfg.hidden_size
         if x_TD.ndim != 2 or x_TD.shape[1] != D:
             raise ValueError(f"KimiMoE: x must be [T, {D}], got {list(x_TD.shape)}")
-        forward = moe_forward(self.layout, self.mesh, self.act, self.dtype, self.backend,
-                              self.experts)
-        return forward(x_TD, self.weights())
+        return moe_forward(self.layout, self.mesh)(x_TD, self.weights())
 
 
 @functools.lru_cache(maxsize=64)
-def moe_forward(layout: Layout, mesh: Mesh, act: SiTU, dtype, backend: Backend,
-                experts: ExpertStorage):
+def moe_forward(layout: Layout, mesh: Mesh):
     """The jitted global forward (x_TD, weights) -> y_TD of one MoE layout
     (``row_sharded_forward`` around the body ``layout.dispatch`` names;
     padding rows are routed to no expert). Cached, so eager calls compile
     once per shape."""
-    weight_specs = {**{d.name: d.spec for d in moe_decls(layout, dtype, experts)},
+    weight_specs = {**{d.name: d.spec for d in moe_decls(layout)},
                     "shared": layout.shared_mlp.param_specs}
-    body = functools.partial(MOE_LOCAL[layout.dispatch], layout=layout, act=act, backend=backend,
-                             experts=experts)
-    return row_sharded_forward(body, mesh, layout.parallel, dtype, weight_specs)
+    body = functools.partial(MOE_LOCAL[layout.dispatch], layout=layout,
+                             act=SiTU.from_config(layout.cfg))
+    return row_sharded_forward(body, mesh, layout.parallel, layout.dtype, weight_specs)

@@ -202,10 +202,9 @@ def test_moe_layer_lowers_and_compiles_for_cuda():
 
     parallel = ParallelConfig(tp=2, sequence_parallel=True, expert_parallel=True)
     mesh = h200_mesh(parallel)  # compile-only H200 devices: nothing runs
-    layer = KimiMoE(make_layout(TINY, parallel), mesh, dtype=jnp.bfloat16,
-                    source=AbstractSource(), backend="triton")
-    forward = moe_forward(layer.layout, layer.mesh, layer.act, layer.dtype, layer.backend,
-                          layer.experts)
+    layout = make_layout(TINY, parallel, mesh, backend="triton", dtype=jnp.bfloat16)
+    layer = KimiMoE(layout, mesh, source=AbstractSource())
+    forward = moe_forward(layer.layout, layer.mesh)
     weights = nnx.to_pure_dict(nnx.state(layer))
 
     def x_spec(tokens):  # a new shape per target: the target is read when tracing

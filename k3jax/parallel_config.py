@@ -1,0 +1,175 @@
+"""The mesh and how the block is spread over it: the mesh axis names (the only
+place they are defined), ``ParallelConfig``, ``SharedOverlap`` and the meshes
+(``make_mesh`` over devices, ``abstract_mesh`` for planning).
+
+The mesh is (DATA, TENSOR) = (dp, tp). Token rows are split over
+``ParallelConfig.token_axes``: (DATA, TENSOR) under sequence parallelism, else
+(DATA,) (the tensor axis then holds every row of its data group), into
+``row_shards`` blocks; T is padded to a multiple of them (``padded_rows``).
+What each MLP and the routed experts do on that mesh is k3jax.layout's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from typing import Sequence
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+DATA = "data"
+TENSOR = "tensor"
+MESH_AXES = (DATA, TENSOR)
+SHARD_SHARED_EXPERT_ENV = "K3JAX_SHARD_SP_SHARED_EXPERT"
+
+
+class SharedOverlap(enum.Enum):
+    """How an SP-sharded MLP (shared expert, dense layer 0) moves its rows.
+
+    NONE   one all-gather of the input rows and one float32 reduce-scatter of
+           the partial sums; XLA decides what overlaps them.
+    RING   the same bytes as tp - 1 collective-permutes each way around the
+           tensor-axis ring, each block's gate/up (or down) matmul running
+           while the next block is in flight (k3jax.collective_matmul).
+    """
+
+    NONE = "none"
+    RING = "ring"
+
+
+DEFAULT_SHARED_OVERLAP = SharedOverlap.RING
+"""The default, chosen by the compiled 8 x H200 schedule of the K3 layers
+(tests/test_overlap_schedule.py): with RING every block's transfer is in
+flight across a matmul; with NONE XLA runs the dense layer's all-gather and
+reduce-scatter synchronously."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the block is spread over a (dp, tp) mesh.
+
+    shard_shared_expert: opt-in TP sharding of the shared expert and dense MLP
+      under sequence parallelism. Resolved once, at construction, to a bool:
+      None reads ``K3JAX_SHARD_SP_SHARED_EXPERT`` (``1`` on; ``0``, empty or
+      unset off) under sequence parallelism, the only place the gate consults
+      it; a malformed value raises there. Without sequence parallelism None
+      resolves to False without reading the variable (it cannot matter).
+    pad_under_ep: reproduce vLLM's pre-fix behaviour (padding applied under EP).
+      For side-by-side comparisons only; the padding is zeros, so outputs agree.
+    shared_overlap: how an SP-sharded shared expert / dense MLP moves its
+      rows (SharedOverlap); read only where an MLP is SP-sharded.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    expert_parallel: bool = False
+    shard_shared_expert: bool | None = None
+    pad_under_ep: bool = False
+    shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shared_overlap, SharedOverlap):
+            raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
+                             f"got {self.shared_overlap!r}")
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig: sequence_parallel needs tp > 1 "
+                             "(it splits tokens over the tensor axis)")
+        if self.pad_under_ep and not self.expert_parallel:
+            raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
+        if self.shard_shared_expert is None:
+            object.__setattr__(self, "shard_shared_expert",
+                               self.sequence_parallel and _shard_shared_expert_from_env())
+        elif not isinstance(self.shard_shared_expert, bool):
+            raise ValueError("ParallelConfig.shard_shared_expert must be a bool or None, "
+                             f"got {self.shard_shared_expert!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: dp x tp under EP, else 1."""
+        return self.num_devices if self.expert_parallel else 1
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes the token rows are split over: (DATA, TENSOR) under
+        sequence parallelism, else (DATA,)."""
+        return MESH_AXES if self.sequence_parallel else (DATA,)
+
+    @property
+    def row_shards(self) -> int:
+        """How many blocks the token rows are cut into (T is padded to a multiple)."""
+        return self.num_devices if self.sequence_parallel else self.dp
+
+    def describe(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}"]
+        if self.sequence_parallel:
+            parts.append("sequence-parallel")
+        if self.expert_parallel:
+            parts.append(f"expert-parallel (ep={self.ep})")
+        if self.shard_shared_expert:
+            parts.append("shard-shared-expert requested")
+        if self.pad_under_ep:
+            parts.append("pad-under-ep (pre-fix behaviour)")
+        return ", ".join(parts)
+
+
+def _shard_shared_expert_from_env() -> bool:
+    raw = os.environ.get(SHARD_SHARED_EXPERT_ENV, "0").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def check_mesh(mesh: Mesh | AbstractMesh, parallel: ParallelConfig, who: str) -> None:
+    """Raise ValueError unless ``mesh`` is the (dp, tp) mesh ``parallel`` describes."""
+    if tuple(mesh.axis_names) != MESH_AXES or tuple(mesh.axis_sizes) != (parallel.dp, parallel.tp):
+        raise ValueError(f"{who}: mesh {dict(mesh.shape)} does not match the layout "
+                         f"({parallel.describe()})")
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, tp) mesh over ``devices``.
+
+    By default it uses every device of every process; a single process with
+    more devices than dp * tp takes the first dp * tp (handy on a CPU with 8
+    simulated devices). Axis types are Auto: the modules place weights and
+    tokens with explicit NamedShardings and shard_map in_specs themselves.
+    """
+    if devices is None:
+        devices = jax.devices()
+        if jax.process_count() == 1 and len(devices) > parallel.num_devices:
+            devices = devices[:parallel.num_devices]
+    devices = list(devices)
+    if len(devices) != parallel.num_devices:
+        raise ValueError(f"dp * tp = {parallel.dp} * {parallel.tp} = {parallel.num_devices} "
+                         f"but {len(devices)} devices are available ({jax.default_backend()}); "
+                         f"on the CPU simulate more with --devices / jax_num_cpu_devices")
+    return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
+    """The mesh's shape without devices: for planning full-size layouts."""
+    return AbstractMesh((parallel.dp, parallel.tp), MESH_AXES,
+                        axis_types=(AxisType.Auto,) * 2)
+
+
+def padded_rows(num_tokens: int, row_shards: int) -> int:
+    """T rounded up to a multiple of the row blocks (SPEC 4: L = ceil(T / shards))."""
+    return math.ceil(num_tokens / row_shards) * row_shards
+
+
+__all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
+           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "check_mesh", "make_mesh", "abstract_mesh",
+           "padded_rows"]
