@@ -84,7 +84,7 @@ from pallas_kernels import (
     situ_mlp_up,
 )
 from pallas_kernels import peers as peers_lib
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode, reference
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, reference
 from pallas_kernels.mxfp4 import Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -184,10 +184,9 @@ class GroupedCase:
 
 
 def _decode_GKN(packed_GHN, scale_GSN):
-    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (decode_mxfp4 along K)."""
-    from k3jax.ops.mxfp4 import decode_mxfp4
-    return jnp.swapaxes(decode_mxfp4(jnp.swapaxes(packed_GHN, 1, 2), jnp.swapaxes(scale_GSN, 1, 2),
-                                     DTYPE), 1, 2)
+    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (dequant along K)."""
+    from pallas_kernels.mxfp4 import dequant
+    return dequant(packed_GHN, scale_GSN, DTYPE, axis=1)
 
 
 def mxfp4_fn(op: str, backend: str) -> Callable:
@@ -609,7 +608,7 @@ def grouped_sizes(case: GroupedCase) -> np.ndarray:
 
 
 def x_lean_config(case: GroupedCase,
-                  pick_x_over_w: float) -> mosaic_sm90_decode.DecodeConfig | None:
+                  pick_x_over_w: float) -> mosaic_sm90_swap_ab.SwapABConfig | None:
     """The decode tiling timed beside the launcher's where, at up to
     X_TARGET_MAX_TOKENS tokens, the launcher's loads x over
     cost_model.DECODE_X_OVER_W of its weight bytes (pick_x_over_w: its
@@ -624,12 +623,12 @@ def x_lean_config(case: GroupedCase,
     return None if lean is None else lean.config
 
 
-def decode_fn(case: GroupedCase, config: mosaic_sm90_decode.DecodeConfig) -> Callable:
+def decode_fn(case: GroupedCase, config: mosaic_sm90_swap_ab.SwapABConfig) -> Callable:
     """The decode kernel with a fixed tiling, as case.fn's signature."""
     if case.op == "gate_up_situ":
-        return lambda x, w1, w3, s: mosaic_sm90_decode.grouped_situ_glu(
+        return lambda x, w1, w3, s: mosaic_sm90_swap_ab.grouped_situ_glu(
             x, w1, w3, s, config=config, **SITU)
-    return lambda x, w, s: mosaic_sm90_decode.grouped_matmul(x, w, s, config=config)
+    return lambda x, w, s: mosaic_sm90_swap_ab.grouped_matmul(x, w, s, config=config)
 
 
 def model_grouped(case: GroupedCase, sizes: np.ndarray) -> dict:

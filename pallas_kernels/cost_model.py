@@ -2,7 +2,7 @@
 
 It replays the kernel's own schedule on concrete group sizes: the launch plan
 (``mosaic_sm90.plan_launch``: fitted tiles, split-K), the work-item table
-(``mosaic_sm90.work_items_4W``), the snake order (``plgpu.planar_snake``) and
+(``schedule.work_items_4W``), the snake order (``plgpu.planar_snake``) and
 the persistent loop's assignment of tile i to CTA i mod num_sms. From that:
 
   * tiles and SM fill: sum of the tiles' times / (num_sms x the busiest CTA's);
@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab, schedule, tiling
+from pallas_kernels.hardware import H200
 
-H200_NUM_SMS = 132
+H200_NUM_SMS = H200.num_sms
 DENSE_BF16_FLOPS = 790e12  # dense bf16 matmul measured on this project's H200 (SPEC 7)
 COPY_BYTES_PER_S = 4.3e12  # device copy (read + write) measured on this project's H200
 # Per tile: the first TMA loads' HBM latency plus the pipeline drain before
@@ -106,19 +107,19 @@ def _tile_order(num_items: int, num_n_blocks: int, grid_block_n: int) -> np.ndar
 
 @functools.lru_cache(maxsize=256)
 def _static_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
-    """The kernel's table for concrete sizes (mosaic_sm90.schedule), once per shape."""
-    return np.asarray(mosaic_sm90.schedule(np.asarray(sizes, np.int32), num_rows, block_m))
+    """The kernel's table for concrete sizes (schedule.schedule), once per shape."""
+    return np.asarray(schedule.schedule(np.asarray(sizes, np.int32), num_rows, block_m))
 
 
 # The kernel's schedule function, compiled once per (num_rows, block_m).
-_schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
+_schedule = jax.jit(schedule.work_items_4W, static_argnums=(1, 2))
 
 
 @functools.lru_cache(maxsize=4096)
 def _traced_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
     """_schedule's table for concrete sizes, once per (sizes, num_rows, block_m):
     best_grouped_config models dozens of decode tilings that share a token tile."""
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         return np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
 
 
@@ -160,7 +161,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     split_k = cfg.split_k
     out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
     num_out = cfg.num_outputs(num_weights)
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         if static_sizes:
             meta = _static_schedule(tuple(int(v) for v in sizes), m, cfg.block_m)
         else:
@@ -171,8 +172,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
     # Per (K range, item): the consumers that issue WGMMAs, the K steps, the bytes.
     matmul_W = (count_W > 0) & (group_W >= 0)
-    wgs_W = np.where(matmul_W, mosaic_sm90.active_warpgroups(offset_W, count_W, cfg), 0)
-    steps_S = np.array([mosaic_sm90.k_range(s, launch.num_k_steps, split_k)[1]
+    wgs_W = np.where(matmul_W, schedule.active_warpgroups(offset_W, count_W, cfg), 0)
+    steps_S = np.array([schedule.k_range(s, launch.num_k_steps, split_k)[1]
                         for s in range(split_k)])
     products = (planes if mxfp4 else 1 if planes == 1 else 3)
     flops_SW = (steps_S[:, None] * wgs_W * WG_ROWS * cfg.block_n * cfg.block_k * 2
@@ -200,7 +201,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                                hbm_SW / per_sm_bw) + tile_overhead, 0.0)
 
     # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         item_T = np.tile(_tile_order(num_items, n_blocks, cfg.grid_block_n), split_k)
     split_T = np.repeat(np.arange(split_k), num_items * n_blocks)
     time_T = time_SW[split_T, item_T]
@@ -229,9 +230,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
 
 def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
-                dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
+                dtype=jnp.bfloat16, config: mosaic_sm90_swap_ab.SwapABConfig,
                 num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """Model one launch of the transposed decode kernel (mosaic_sm90_decode):
+    """Model one launch of the transposed decode kernel (mosaic_sm90_swap_ab):
     weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
     conventions as grouped_cost; "rows computed" counts the block_t token
     columns of every matmul tile, and the output is the per-item transposed
@@ -253,7 +254,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     (x multicast share, WGMMAs on zeros): a cluster tile takes its slowest
     CTA's time."""
     sizes = np.asarray(group_sizes_G, np.int64)
-    plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    plan = mosaic_sm90_swap_ab.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg, planes = plan.cfg, plan.planes
     in_bytes = 2 * planes
     out_bytes = jnp.dtype(dtype).itemsize
@@ -267,7 +268,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     products = 1 if planes == 1 else 3
 
     split_k = cfg.split_k
-    steps_S = np.array([mosaic_sm90.k_range(s, steps, split_k)[1] for s in range(split_k)])
+    steps_S = np.array([schedule.k_range(s, steps, split_k)[1] for s in range(split_k)])
     tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
 
     matmul_W = (count_W > 0) & (group_W >= 0)
@@ -323,7 +324,7 @@ def decode_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * in_bounds_B.sum()),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode",
+        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_swap_ab",
                 "no_drain": plan.no_drain})
 
 
@@ -349,17 +350,17 @@ def proxy_group_sizes(num_rows: int, num_groups: int) -> list[np.ndarray]:
 
 
 def decode_candidates(m: int, n: int, num_groups: int,
-                      num_weights: int) -> list[mosaic_sm90_decode.DecodeConfig]:
+                      num_weights: int) -> list[mosaic_sm90_swap_ab.SwapABConfig]:
     """Decode tilings worth modelling: token tiles from mean + 1 sigma of the
     rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths
     whose accumulators take <= 128 registers a thread and divide N; empty
-    above MAX_DECODE_ROWS. Each tiling unclustered and, where
+    above MAX_SWAP_AB_ROWS. Each tiling unclustered and, where
     its x tile is over DECODE_X_OVER_W of its weight tiles, in the smallest
     cluster C that brings it under, with the token tile raised (in steps of
     8) to the first one whose x tile splits over C CTAs (accumulators <=
     MAX_CLUSTER_ACC_REGISTERS = 192 registers where N holds two superblocks
     or more: the clustered kernel's producer then keeps 24,
-    mosaic_sm90_decode.memory_registers, and its tiles drain). C x
+    mosaic_sm90_swap_ab.memory_registers, and its tiles drain). C x
     block_w need not divide N: the last superblock
     overhangs N (the kernel reads zero fill past N, no weight padding) and
     its x / w counts the overhanging CTAs' x shares (block_t / (num_weights
@@ -370,19 +371,19 @@ def decode_candidates(m: int, n: int, num_groups: int,
     (2026-12-01, fused SiTU) spilled 28 bytes for one consumer (64 x 64
     tokens, cluster 8) and 8 for two of 2 x 128 columns (64 tokens, cluster
     2); two of 2 x 64 columns at 32-192 tokens, clusters 2-8, did not."""
-    rows = mosaic_sm90_decode.expected_rows(m, num_groups)
-    if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
+    rows = schedule.expected_rows(m, num_groups)
+    if rows > mosaic_sm90_swap_ab.MAX_SWAP_AB_ROWS:
         return []
     mean = m / num_groups
-    low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
-                                mosaic_sm90.X_ROW_ALIGN)
-    high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
-    max_acc = mosaic_sm90_decode.MAX_ACC_REGISTERS
-    max_cluster_acc = mosaic_sm90_decode.MAX_CLUSTER_ACC_REGISTERS
+    low = tiling.round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
+                                schedule.X_ROW_ALIGN)
+    high = tiling.round_up(int(np.ceil(rows)), schedule.X_ROW_ALIGN) + 8
+    max_acc = mosaic_sm90_swap_ab.MAX_ACC_REGISTERS
+    max_cluster_acc = mosaic_sm90_swap_ab.MAX_CLUSTER_ACC_REGISTERS
     tilings = []
-    for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
+    for block_t in range(low, min(high, mosaic_sm90_swap_ab.MAX_SWAP_AB_ROWS) + 1, 8):
         for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
-            cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
+            cfg = mosaic_sm90_swap_ab.SwapABConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
                                                   block_t=block_t)
             if n % cfg.block_w or cfg.acc_registers(num_weights) > max_cluster_acc:
                 continue
@@ -391,12 +392,12 @@ def decode_candidates(m: int, n: int, num_groups: int,
             if (block_t <= DECODE_X_OVER_W * num_weights * cfg.block_w or wgs == 1
                     or num_weights * wg_w > 128):
                 continue
-            for c in mosaic_sm90_decode.CLUSTER_SIZES[1:]:
-                t = next(t for t in range(block_t, mosaic_sm90_decode.MAX_BLOCK_T + 1, 8)
-                         if mosaic_sm90_decode.multicast_splits(t, 64, c))
+            for c in mosaic_sm90_swap_ab.CLUSTER_SIZES[1:]:
+                t = next(t for t in range(block_t, mosaic_sm90_swap_ab.MAX_BLOCK_T + 1, 8)
+                         if mosaic_sm90_swap_ab.multicast_splits(t, 64, c))
                 clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
                 # x / w of the launch: the overhanging CTAs load their x shares too.
-                n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
+                n_pad = tiling.round_up(n, c * cfg.block_w)
                 acc = clustered.acc_registers(num_weights)
                 # Wide accumulators only over >= 2 superblocks: with one, ptxas
                 # spilled 8 + 8 bytes (2 x 64 x 192, cluster 8, N = 1024; 0 at 2048, 3072).
@@ -413,7 +414,7 @@ class CandidateCost:
     """One launch candidate of a grouped product, costed on every
     proxy_group_sizes draw."""
 
-    config: mosaic_sm90_decode.DecodeConfig | None  # None: mosaic_sm90's row-major tiles
+    config: mosaic_sm90_swap_ab.SwapABConfig | None  # None: mosaic_sm90's row-major tiles
     mean_us: float  # mean predicted time over the draws
     worst_x_over_w: float  # the largest x bytes / weight bytes of a draw
     worst_reads: float  # the most weight reads per active expert of a draw
@@ -443,7 +444,7 @@ def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
                              max(c.x_bytes_over_weight_bytes for c in costs),
                              max(c.weight_reads_per_active_expert for c in costs))
 
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         costs = [over_draws(None, lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
                                                          num_sms=num_sms))]
         for cfg in decode_candidates(m, n, num_groups, num_weights):
@@ -458,8 +459,8 @@ def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
 @functools.lru_cache(maxsize=256)
 def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
                         dtype_name: str = "bfloat16",
-                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
-    """The grouped launcher's kernel choice: a decode tiling (DecodeConfig)
+                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_swap_ab.SwapABConfig | None:
+    """The grouped launcher's kernel choice: a swap-AB tiling (SwapABConfig)
     or None for mosaic_sm90's row-major default tiles, from candidate_costs.
     The fastest decode tiling that meets the decode targets (x <=
     DECODE_X_OVER_W of the weight bytes, <= DECODE_MAX_READS weight reads per
@@ -570,7 +571,7 @@ def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
     certain part. Split-K only wins where the tiles leave SMs idle (the f32
     partials cost a write and a read)."""
     costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         for cfg in mlp_candidates(tokens, d, f, dtype=dtype, num_sms=num_sms):
             try:
                 costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,

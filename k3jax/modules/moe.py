@@ -48,10 +48,9 @@ from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_par
 from k3jax.ops import SiTU, rms_norm, route, routed_experts
 from k3jax.ops.experts import ExpertWeight
 from k3jax.ops.matmul import matmul
-from k3jax.ops.mxfp4 import BLOCK_SIZE
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import Backend
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
 
 
 class ExpertStorage(enum.Enum):
