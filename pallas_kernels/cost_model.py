@@ -39,7 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab, schedule, tiling
+from pallas_kernels.grouped_matmul import (
+    mosaic_sm90,
+    mosaic_sm90_mxfp4,
+    mosaic_sm90_swap_ab,
+    schedule,
+    tiling,
+)
 from pallas_kernels.hardware import H200
 
 H200_NUM_SMS = H200.num_sms

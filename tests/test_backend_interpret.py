@@ -28,9 +28,9 @@ from safetensors.numpy import load_file
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main
 from k3jax.config import TINY
-from pallas_kernels.mxfp4 import dequant_numpy
 from numerics import rel_err
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab
+from pallas_kernels.mxfp4 import dequant_numpy
 from reference_np import np_mlp, np_moe, np_route
 
 TOKENS = 5  # odd: pads to 6 rows under sequence parallelism over 2 devices

@@ -29,8 +29,8 @@ from k3jax.checkpoint.names import layer_prefix
 from k3jax.config import TINY, TINY_GROUPED, from_hf_config
 from k3jax.layout import ParallelConfig, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE
-from pallas_kernels.mxfp4 import dequant_numpy, encode
 from numerics import jitted, rel_err
+from pallas_kernels.mxfp4 import dequant_numpy, encode
 from reference_np import np_mlp, np_moe, random_moe_tensors
 
 BF16 = ml_dtypes.bfloat16

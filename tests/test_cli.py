@@ -18,8 +18,8 @@ from k3jax.checkpoint import CheckpointReader, write_checkpoint
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.cli import main
 from k3jax.config import TINY
-from pallas_kernels.mxfp4 import dequant_numpy
 from numerics import rel_err
+from pallas_kernels.mxfp4 import dequant_numpy
 from reference_np import np_mlp, np_moe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

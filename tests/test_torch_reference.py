@@ -8,7 +8,6 @@ import safetensors.numpy
 import torch
 
 from k3jax.config import TINY, TINY_GROUPED
-from pallas_kernels.mxfp4 import dequant_numpy, encode
 from k3jax.reference import (
     TorchKimiMLP,
     TorchKimiMoE,
@@ -19,6 +18,7 @@ from k3jax.reference import (
     situ_glu,
 )
 from numerics import rel_err
+from pallas_kernels.mxfp4 import dequant_numpy, encode
 from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 CONFIGS = {"tiny": TINY, "tiny_grouped": TINY_GROUPED}

@@ -27,9 +27,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 import gpu_kernels  # noqa: E402 -- the sweep's cases and routing
 
 import kernel_cases as kc  # noqa: E402
-from pallas_kernels.grouped_matmul import schedule  # noqa: E402
 from pallas_kernels import cost_model  # noqa: E402
-from pallas_kernels.grouped_matmul import api, mosaic_sm90  # noqa: E402
+from pallas_kernels.grouped_matmul import (  # noqa: E402
+    api,
+    schedule,  # noqa: E402
+)
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
 
 BF16, F32 = jnp.bfloat16, jnp.float32

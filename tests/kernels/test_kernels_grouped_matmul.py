@@ -19,9 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 import kernel_cases as kc
-from pallas_kernels.grouped_matmul import schedule, tiling
 from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference, schedule, tiling
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}

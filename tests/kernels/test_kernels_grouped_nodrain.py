@@ -26,8 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kernel_cases as kc
-from pallas_kernels.grouped_matmul import schedule
-from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.grouped_matmul import mosaic_sm90, schedule
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

@@ -25,9 +25,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from pallas_kernels.grouped_matmul import schedule
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
-from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm
+from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm, schedule
 from pallas_kernels.grouped_matmul import reference as grouped_reference
 from pallas_kernels.situ import situ_glu_vjp_f32
 from pallas_kernels.situ_mlp import reference as mlp_reference

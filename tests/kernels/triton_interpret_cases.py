@@ -30,10 +30,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pallas_kernels.mxfp4 import dequant  # noqa: E402
 from kernel_cases import BETA, LINEAR_BETA, group_pattern, grouped_inputs, poison_tail  # noqa: E402
 from pallas_kernels.grouped_matmul import reference, triton_sm80  # noqa: E402
 from pallas_kernels.grouped_matmul.schedule import work_items_4W  # noqa: E402
+from pallas_kernels.mxfp4 import dequant  # noqa: E402
 
 
 def mxfp4_weights(seed: int, g: int, k: int, n: int):
