@@ -2,7 +2,7 @@
 
 It replays the kernels' own schedules on concrete group sizes: the launch
 plan (``mosaic_sm90.plan_launch``: fitted tiles, split-K), the work-item
-table (``mosaic_sm90.work_items_4W``), the snake order
+table (``schedule.work_items_4W``), the snake order
 (``plgpu.planar_snake``) and the persistent loop's assignment of tile i to
 CTA i mod num_sms. From that:
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab, schedule
 from pallas_kernels.hardware import H200
 
 H200_NUM_SMS = H200.num_sms
@@ -110,14 +110,14 @@ def _static_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.
 
 
 # The kernel's schedule function, compiled once per (num_rows, block_m).
-_schedule = jax.jit(mosaic_sm90.work_items_4W, static_argnums=(1, 2))
+_schedule = jax.jit(schedule.work_items_4W, static_argnums=(1, 2))
 
 
 @functools.lru_cache(maxsize=4096)
 def _traced_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
     """_schedule's table for concrete sizes, once per (sizes, num_rows, block_m):
     the tile search models dozens of swap-AB tilings that share a token tile."""
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         return np.asarray(_schedule(jnp.asarray(sizes, jnp.int32), num_rows, block_m))
 
 
@@ -159,7 +159,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     split_k = cfg.split_k
     out_bytes = 4 if split_k > 1 else jnp.dtype(dtype).itemsize
     num_out = cfg.num_outputs(num_weights)
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         if static_sizes:
             meta = _static_schedule(tuple(int(v) for v in sizes), m, cfg.block_m)
         else:
@@ -170,8 +170,8 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
     # Per (K range, item): the consumers that issue WGMMAs, the K steps, the bytes.
     matmul_W = (count_W > 0) & (group_W >= 0)
-    wgs_W = np.where(matmul_W, mosaic_sm90.active_warpgroups(offset_W, count_W, cfg), 0)
-    steps_S = np.array([mosaic_sm90.k_range(s, launch.num_k_steps, split_k)[1]
+    wgs_W = np.where(matmul_W, schedule.active_warpgroups(offset_W, count_W, cfg), 0)
+    steps_S = np.array([schedule.k_range(s, launch.num_k_steps, split_k)[1]
                         for s in range(split_k)])
     products = (planes if mxfp4 else 1 if planes == 1 else 3)
     flops_SW = (steps_S[:, None] * wgs_W * WG_ROWS * cfg.block_n * cfg.block_k * 2
@@ -199,7 +199,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                                hbm_SW / per_sm_bw) + tile_overhead, 0.0)
 
     # Linear tile index -> (K range, snake(item, N-block)) -> CTA index mod num_sms.
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         item_T = np.tile(_tile_order(num_items, n_blocks, cfg.grid_block_n), split_k)
     split_T = np.repeat(np.arange(split_k), num_items * n_blocks)
     time_T = time_SW[split_T, item_T]
@@ -228,9 +228,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
 
 def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
-                 dtype=jnp.bfloat16, config: mosaic_sm90_decode.DecodeConfig,
+                 dtype=jnp.bfloat16, config: mosaic_sm90_swap_ab.SwapABConfig,
                  num_sms: int = H200_NUM_SMS) -> KernelCost:
-    """Model one launch of the swap-AB kernel (mosaic_sm90_decode):
+    """Model one launch of the swap-AB kernel (mosaic_sm90_swap_ab):
     weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
     conventions as grouped_cost; "rows computed" counts the block_t token
     columns of every matmul tile, and the output is the per-item transposed
@@ -252,7 +252,7 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     (x multicast share, WGMMAs on zeros): a cluster tile takes its slowest
     CTA's time."""
     sizes = np.asarray(group_sizes_G, np.int64)
-    plan = mosaic_sm90_decode.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    plan = mosaic_sm90_swap_ab.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
     cfg, planes = plan.cfg, plan.planes
     in_bytes = 2 * planes
     out_bytes = jnp.dtype(dtype).itemsize
@@ -266,7 +266,7 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     products = 1 if planes == 1 else 3
 
     split_k = cfg.split_k
-    steps_S = np.array([mosaic_sm90.k_range(s, steps, split_k)[1] for s in range(split_k)])
+    steps_S = np.array([schedule.k_range(s, steps, split_k)[1] for s in range(split_k)])
     tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
 
     matmul_W = (count_W > 0) & (group_W >= 0)
@@ -322,7 +322,7 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * in_bounds_B.sum()),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_decode",
+        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_swap_ab",
                 "no_drain": plan.no_drain})
 
 

@@ -5,7 +5,7 @@ K3 shapes and commits the picks to pallas_kernels/grouped_matmul/tile_table.py;
 the launchers read that table and never run this search.
 
 Grouped products (best_grouped_config): the row-major tiles (mosaic_sm90's
-default) against every swap-AB tiling (mosaic_sm90_decode) of
+default) against every swap-AB tiling (mosaic_sm90_swap_ab) of
 swap_ab_candidates, each costed over SearchTargets.proxy_seeds routings
 (uniform multinomial draws of the rows over the groups: the launcher sees
 traced group sizes). The dense MLP (best_mlp_config): mosaic_sm90's fused
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from analysis.kernel_cost import H200_NUM_SMS, KernelCost, grouped_cost, mlp_cost, swap_ab_cost
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab, schedule, tiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,11 @@ def proxy_group_sizes(num_rows: int, num_groups: int,
 
 
 def swap_ab_candidates(m: int, n: int, num_groups: int, num_weights: int,
-                       targets: SearchTargets = TARGETS) -> list[mosaic_sm90_decode.DecodeConfig]:
+                       targets: SearchTargets = TARGETS) -> list[mosaic_sm90_swap_ab.SwapABConfig]:
     """Swap-AB tilings worth modelling: token tiles from mean + 1 sigma of the
     rows per group to one step of 8 past mean + ROUTING_SIGMAS sigma, widths
     whose accumulators take <= MAX_ACC_REGISTERS a thread and divide N; empty
-    above MAX_DECODE_ROWS. Each tiling unclustered and, where its x tile is
+    above MAX_SWAP_AB_ROWS. Each tiling unclustered and, where its x tile is
     over targets.x_over_w of its weight tiles, in the smallest cluster C that
     brings it under, with the token tile raised (in steps of 8) to the first
     one whose x tile splits over C CTAs (accumulators <=
@@ -82,20 +82,20 @@ def swap_ab_candidates(m: int, n: int, num_groups: int, num_weights: int,
     columns (num_weights x wg_block_w) each: with one consumer, or two of
     2 x 128 columns, ptxas for sm_90a spills. Each tiling at every split-K
     factor of targets.swap_ab_splits."""
-    rows = mosaic_sm90_decode.expected_rows(m, num_groups)
-    if rows > mosaic_sm90_decode.MAX_DECODE_ROWS:
+    rows = schedule.expected_rows(m, num_groups)
+    if rows > mosaic_sm90_swap_ab.MAX_SWAP_AB_ROWS:
         return []
     mean = m / num_groups
-    low = mosaic_sm90._round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
-                                mosaic_sm90.X_ROW_ALIGN)
-    high = mosaic_sm90._round_up(int(np.ceil(rows)), mosaic_sm90.X_ROW_ALIGN) + 8
-    max_acc = mosaic_sm90_decode.MAX_ACC_REGISTERS
-    max_cluster_acc = mosaic_sm90_decode.MAX_CLUSTER_ACC_REGISTERS
+    low = tiling.round_up(max(int(np.ceil(mean + np.sqrt(mean))), 1),
+                                schedule.X_ROW_ALIGN)
+    high = tiling.round_up(int(np.ceil(rows)), schedule.X_ROW_ALIGN) + 8
+    max_acc = mosaic_sm90_swap_ab.MAX_ACC_REGISTERS
+    max_cluster_acc = mosaic_sm90_swap_ab.MAX_CLUSTER_ACC_REGISTERS
     x_over_w = targets.x_over_w
     tilings = []
-    for block_t in range(low, min(high, mosaic_sm90_decode.MAX_DECODE_ROWS) + 1, 8):
+    for block_t in range(low, min(high, mosaic_sm90_swap_ab.MAX_SWAP_AB_ROWS) + 1, 8):
         for wgs, wg_w in ((1, 64), (1, 128), (2, 64), (2, 128), (1, 256), (2, 256)):
-            cfg = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
+            cfg = mosaic_sm90_swap_ab.SwapABConfig(num_compute_wgs=wgs, wg_block_w=wg_w,
                                                   block_t=block_t)
             if n % cfg.block_w or cfg.acc_registers(num_weights) > max_cluster_acc:
                 continue
@@ -104,12 +104,12 @@ def swap_ab_candidates(m: int, n: int, num_groups: int, num_weights: int,
             if (block_t <= x_over_w * num_weights * cfg.block_w or wgs == 1
                     or num_weights * wg_w > 128):
                 continue
-            for c in mosaic_sm90_decode.CLUSTER_SIZES[1:]:
-                t = next(t for t in range(block_t, mosaic_sm90_decode.MAX_BLOCK_T + 1, 8)
-                         if mosaic_sm90_decode.multicast_splits(t, 64, c))
+            for c in mosaic_sm90_swap_ab.CLUSTER_SIZES[1:]:
+                t = next(t for t in range(block_t, mosaic_sm90_swap_ab.MAX_BLOCK_T + 1, 8)
+                         if mosaic_sm90_swap_ab.multicast_splits(t, 64, c))
                 clustered = dataclasses.replace(cfg, block_t=t, cluster=c)
                 # x / w of the launch: the overhanging CTAs load their x shares too.
-                n_pad = mosaic_sm90._round_up(n, c * cfg.block_w)
+                n_pad = tiling.round_up(n, c * cfg.block_w)
                 acc = clustered.acc_registers(num_weights)
                 # Wide accumulators only over >= 2 superblocks (with one, ptxas spills).
                 if ((acc <= max_acc or (acc <= max_cluster_acc and n_pad >= 2 * c * cfg.block_w))
@@ -124,7 +124,7 @@ def swap_ab_candidates(m: int, n: int, num_groups: int, num_weights: int,
 class CandidateCost:
     """One launch candidate of a grouped product, costed on every proxy routing."""
 
-    config: mosaic_sm90_decode.DecodeConfig | None  # None: mosaic_sm90's row-major tiles
+    config: mosaic_sm90_swap_ab.SwapABConfig | None  # None: mosaic_sm90's row-major tiles
     mean_us: float  # mean predicted time over the routings
     worst_x_over_w: float  # the largest x bytes / weight bytes of a routing
     worst_reads: float  # the most weight reads per active expert of a routing
@@ -153,7 +153,7 @@ def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
                              max(c.x_bytes_over_weight_bytes for c in costs),
                              max(c.weight_reads_per_active_expert for c in costs))
 
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         costs = [over_draws(None, lambda s: grouped_cost(s, m, k, n, num_weights, dtype=dtype,
                                                          num_sms=num_sms))]
         for cfg in swap_ab_candidates(m, n, num_groups, num_weights, targets):
@@ -168,8 +168,8 @@ def candidate_costs(m: int, k: int, n: int, num_groups: int, num_weights: int,
 @functools.lru_cache(maxsize=256)
 def best_grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
                         dtype_name: str = "bfloat16", targets: SearchTargets = TARGETS,
-                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_decode.DecodeConfig | None:
-    """A swap-AB tiling (DecodeConfig), or None for mosaic_sm90's row-major
+                        num_sms: int = H200_NUM_SMS) -> mosaic_sm90_swap_ab.SwapABConfig | None:
+    """A swap-AB tiling (SwapABConfig), or None for mosaic_sm90's row-major
     default tiles. The fastest swap-AB tiling that meets the targets and is
     within targets.tie of the row-major tiles wins; without one, of the
     candidates (row-major included) within targets.tie of the fastest, the
@@ -249,7 +249,7 @@ def best_mlp_config(tokens: int, d: int, f: int, *, dtype=jnp.bfloat16,
     certain part. Split-K only wins where the tiles leave SMs idle (the f32
     partials cost a write and a read)."""
     costs: list[tuple[KernelCost, mosaic_sm90.TileConfig]] = []
-    with mosaic_sm90.host_eval():
+    with schedule.host_eval():
         for cfg in mlp_candidates(tokens, d, f, dtype=dtype, targets=targets, num_sms=num_sms):
             try:
                 costs.append((mlp_cost(tokens, d, f, dtype=dtype, config=cfg,

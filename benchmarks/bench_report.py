@@ -84,7 +84,7 @@ def describe_tiles(config: dict) -> str:
     t64, S1, 4 st., cluster 4, chained" (consumer warpgroups x weight columns,
     token tile, split-K, stages) or "row-major 1x64 x 128, chained" (warpgroups
     x rows x N)."""
-    if config["kernel"] == "mosaic_sm90_decode":
+    if config["kernel"] == "mosaic_sm90_swap_ab":
         words = [f"decode {config['num_compute_wgs']}x{config['wg_block_w']}",
                  f"t{config['block_t']}", f"S{config['split_k']}",
                  f"{config['max_concurrent_steps']} st."]

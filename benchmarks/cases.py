@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode, reference
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, reference
 from pallas_kernels.mxfp4 import Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -121,10 +121,9 @@ class GroupedCase:
 
 
 def dequant_GKN(packed_GHN, scale_GSN):
-    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (decode_mxfp4 along K)."""
-    from k3jax.ops.mxfp4 import decode_mxfp4
-    return jnp.swapaxes(decode_mxfp4(jnp.swapaxes(packed_GHN, 1, 2), jnp.swapaxes(scale_GSN, 1, 2),
-                                     DTYPE), 1, 2)
+    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (dequant along K)."""
+    from pallas_kernels.mxfp4 import dequant
+    return dequant(packed_GHN, scale_GSN, DTYPE, axis=1)
 
 
 def mxfp4_fn(op: str, backend: str) -> Callable:
@@ -231,12 +230,12 @@ def jax_mosaic_ragged_dot(case: GroupedCase) -> Callable:
         grid_block_n=4 if case.n % 512 == 0 else 1)
 
 
-def decode_fn(case: GroupedCase, config: mosaic_sm90_decode.DecodeConfig) -> Callable:
+def decode_fn(case: GroupedCase, config: mosaic_sm90_swap_ab.SwapABConfig) -> Callable:
     """The decode kernel with a fixed tiling, as case.fn's signature."""
     if case.op == "gate_up_situ":
-        return lambda x, w1, w3, s: mosaic_sm90_decode.grouped_situ_glu(
+        return lambda x, w1, w3, s: mosaic_sm90_swap_ab.grouped_situ_glu(
             x, w1, w3, s, config=config, **SITU)
-    return lambda x, w, s: mosaic_sm90_decode.grouped_matmul(x, w, s, config=config)
+    return lambda x, w, s: mosaic_sm90_swap_ab.grouped_matmul(x, w, s, config=config)
 
 
 def positive_int(text: str) -> int:

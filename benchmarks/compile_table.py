@@ -86,7 +86,7 @@ def kernel_configs() -> list[KernelConfig]:
     seen = set()
     for c in checks.CASES:   # the pattern only changes group sizes at run time: one kernel
         name = (f"check {c.op} m={c.m} k={c.k} n={c.n} g={c.groups} "
-                f"{jax.numpy.dtype(c.dtype).name}{c.decode_tiles}")
+                f"{jax.numpy.dtype(c.dtype).name}{c.swap_ab_tiles}")
         if name not in seen:
             seen.add(name)
             out.append(KernelConfig(name, c.fn("pallas"), c.arg_specs()))

@@ -35,14 +35,14 @@ from benchmarks.cases import (
     mlp_cases,
     plan_from_args,
 )
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab
 
 # The x-lean range: x at most tile_search.TARGETS.x_over_w of the weight bytes up to this many tokens.
 X_TARGET_MAX_TOKENS = 256
 
 
 def x_lean_config(case: GroupedCase,
-                  pick_x_over_w: float) -> mosaic_sm90_decode.DecodeConfig | None:
+                  pick_x_over_w: float) -> mosaic_sm90_swap_ab.SwapABConfig | None:
     """The decode tiling timed beside the launcher's where, at up to
     X_TARGET_MAX_TOKENS tokens, the launcher's loads x over
     tile_search.TARGETS.x_over_w of its weight bytes (pick_x_over_w: its

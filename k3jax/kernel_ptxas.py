@@ -70,9 +70,9 @@ class GroupedLaunch:
 # The primitive plgpu.kernel binds (jax 0.11.2); its "name" param is our kernel_name.
 _MOSAIC_KERNEL_PRIMITIVE = "mpmd_map"
 # Our float grouped kernels: the row-major tiles (mosaic_sm90: "..._m64") and
-# the weights-on-M decode tiles (mosaic_sm90_decode: "..._decode_t16"). The
+# the swap-AB tiles (mosaic_sm90_swap_ab: "..._swap_ab_t16"). The
 # MXFP4 kernels ("..._mxfp4_m64") are left out: no peer takes MXFP4 on sm_90.
-_GROUPED_KERNELS = re.compile(r"grouped_(matmul|situ_glu)_(m|decode_t)\d+")
+_GROUPED_KERNELS = re.compile(r"grouped_(matmul|situ_glu)_(m|swap_ab_t)\d+")
 
 
 def grouped_launches(jaxpr: jax_core.Jaxpr) -> list[GroupedLaunch]:

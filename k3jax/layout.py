@@ -54,7 +54,6 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-from k3jax.ops.mxfp4 import BLOCK_SIZE
 from k3jax.parallel_config import (
     DATA,
     DEFAULT_SHARED_OVERLAP,
@@ -69,6 +68,7 @@ from k3jax.parallel_config import (
     padded_rows,
 )
 from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
+from pallas_kernels.mxfp4 import BLOCK_SIZE
 
 
 class LayoutError(ValueError):

@@ -1,21 +1,38 @@
-"""MXFP4 grouped weights: the typed container the grouped kernels accept.
+"""The MXFP4 codec (OCP Microscaling v1.0, element type E2M1) and the grouped
+weight container the kernels accept.
 
-``Mxfp4Weights(packed_GKN, scale_GKN)`` is one weight [G, K, N] stored packed
-along K (k3jax's stored layout, SPEC section 3 with the input axis second):
+An MXFP4 tensor of logical shape ``[..., n]`` (n a multiple of 32) is stored as
 
-* ``packed_GKN`` uint8 [G, K/2, N]: byte j of column n holds elements 2j (LOW
-  nibble) and 2j+1 (HIGH nibble) of that column;
-* ``scale_GKN`` uint8 [G, K/32, N]: UE8M0, ``2 ** (byte - 127)`` for the 32
-  consecutive K elements of its block.
+* ``packed`` uint8 ``[..., n/2]``: two 4-bit E2M1 codes per byte, the LOW
+  nibble is element ``2j`` and the HIGH nibble element ``2j+1``;
+* ``scales`` uint8 ``[..., n/32]``: one UE8M0 scale per 32 consecutive
+  elements, ``scale = 2 ** (byte - 127)``.
 
-E2M1 code: bit 3 sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+``dequant`` / ``dequant_numpy`` take the codes along any one axis (``axis``;
+the grouped weights ``Mxfp4Weights`` are packed along K, axis 1 of [G, K, N]).
 
-``dequantize_expert`` decodes one group's [K, N] in float32 and casts, with
-the same decisions as ``k3jax.ops.mxfp4.decode_mxfp4`` (byte 255 -> NaN,
-float32 overflow -> inf, results below 2**-126 flushed to a signed zero), so
-both give bit-identical weights (tests/test_mxfp4_grouped.py checks it).
-It is a pytree (``jax.tree_util.register_dataclass``), so it passes through
-jit and shard_map like the arrays it holds.
+An E2M1 code: bit 3 is the sign, bits 0-2 index the magnitudes
+0, 0.5, 1, 1.5, 2, 3, 4, 6 (``E2M1_VALUES``).
+
+Decisions, shared by every dequant (jnp here, numpy here, the Mosaic and
+Triton kernels' in-register ones), so that all give bit-identical results:
+
+* Scale byte 255 (SCALE_NAN) is NaN in OCP MX; it dequantizes to NaN.
+  ``validate_scales`` is the host-side check that rejects it (loaders call it).
+* Dequantization happens in float32. Results beyond the float32 range (only
+  with scale bytes 253-254 and large codes) become +-inf. Results below the
+  smallest float32 normal, MIN_NORMAL_F32 = 2**-126 (only with scale bytes
+  0-1), are flushed to a signed zero (XLA backends flush subnormals anyway).
+* Every other result is exact in float32 and in bfloat16 (an E2M1 value has
+  one mantissa bit), so ``dtype=jnp.bfloat16`` loses nothing.
+
+``encode`` follows the OCP rule: shared exponent ``floor(log2(amax)) - 2``
+per block (2 = the largest E2M1 exponent), each element rounded to the
+nearest E2M1 value, ties to the even code, saturating at +-6. Values that are
+exactly representable round-trip unchanged.
+
+``Mxfp4Weights`` is a pytree (``jax.tree_util.register_dataclass``), so it
+passes through jit and shard_map like the arrays it holds.
 """
 
 from __future__ import annotations
@@ -27,11 +44,155 @@ import jax.numpy as jnp
 import numpy as np
 
 BLOCK_SIZE = 32
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_MIN_NORMAL_F32 = float(2.0 ** -126)
-_SCALE_NAN = 255
+"""Elements that share one UE8M0 scale."""
 
+SCALE_NAN = 255
+"""The UE8M0 byte that OCP MX reserves for NaN."""
+
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+"""The 16 E2M1 values, indexed by 4-bit code (float32, [16])."""
+E2M1_VALUES.flags.writeable = False
+
+MIN_NORMAL_F32 = float(2.0 ** -126)
+"""Results below it (in magnitude) flush to a signed zero."""
+
+
+# -- shape / dtype checks ----------------------------------------------------
+
+def check_shapes(packed_shape, packed_dtype, scales_shape, scales_dtype) -> int:
+    """Validate an MXFP4 (packed, scales) pair; return the logical width n."""
+    if np.dtype(packed_dtype) != np.uint8:
+        raise ValueError(f"MXFP4 packed codes must be uint8, got {np.dtype(packed_dtype)}")
+    if np.dtype(scales_dtype) != np.uint8:
+        raise ValueError(f"MXFP4 scales must be uint8 (UE8M0), got {np.dtype(scales_dtype)}")
+    if len(packed_shape) == 0 or len(scales_shape) == 0:
+        raise ValueError("MXFP4 packed codes and scales must have at least one dimension, "
+                         f"got shapes {tuple(packed_shape)} and {tuple(scales_shape)}")
+    if tuple(packed_shape[:-1]) != tuple(scales_shape[:-1]):
+        raise ValueError("MXFP4 packed codes and scales must share their leading dims: "
+                         f"packed {tuple(packed_shape)} vs scales {tuple(scales_shape)}")
+    half = packed_shape[-1]
+    if half == 0 or half % (BLOCK_SIZE // 2):
+        raise ValueError(f"MXFP4 packed last dim must be n/2 with n a positive multiple of "
+                         f"{BLOCK_SIZE}, got {half} (shape {tuple(packed_shape)})")
+    n = 2 * half
+    if scales_shape[-1] != n // BLOCK_SIZE:
+        raise ValueError(f"MXFP4 scales last dim must be n/{BLOCK_SIZE} = {n // BLOCK_SIZE} "
+                         f"for packed last dim n/2 = {half}, got {scales_shape[-1]} "
+                         f"(packed {tuple(packed_shape)}, scales {tuple(scales_shape)})")
+    return n
+
+
+def validate_scales(scales) -> None:
+    """Host-side check: raise ValueError if any UE8M0 byte is 255 (NaN in OCP MX).
+
+    scales: uint8 [..., n/32] (numpy or a concrete jax array)."""
+    s = np.asarray(scales)
+    if s.dtype != np.uint8:
+        raise ValueError(f"MXFP4 scales must be uint8 (UE8M0), got {s.dtype}")
+    bad = np.argwhere(s == SCALE_NAN)
+    if bad.size:
+        raise ValueError(f"MXFP4 scales hold {len(bad)} NaN byte(s) (255), first at index "
+                         f"{tuple(int(i) for i in bad[0])}")
+
+
+# -- dequant -----------------------------------------------------------------
+
+def _codes_shape(packed, scales, axis: int) -> tuple[int, int, tuple, tuple]:
+    """(axis >= 0, n, leading dims, trailing dims) of codes along ``axis``;
+    ValueError (check_shapes) for a malformed pair."""
+    if packed.ndim == 0 or packed.ndim != scales.ndim:
+        check_shapes(packed.shape, packed.dtype, scales.shape, scales.dtype)  # raises
+    axis = axis % packed.ndim
+    move = lambda shape: (*shape[:axis], *shape[axis + 1:], shape[axis])  # noqa: E731
+    n = check_shapes(move(packed.shape), packed.dtype, move(scales.shape), scales.dtype)
+    return axis, n, tuple(packed.shape[:axis]), tuple(packed.shape[axis + 1:])
+
+
+def dequant(packed, scales, dtype=jnp.float32, *, axis: int = -1) -> jax.Array:
+    """Dequantize MXFP4 with jax.numpy (host arrays and inside jit).
+
+    packed: uint8 [..., n/2, ...]; scales: uint8 [..., n/32, ...], the codes
+    along ``axis`` -> dtype [..., n, ...]. Computed in float32, then cast to
+    ``dtype`` (exact for bfloat16)."""
+    packed = packed if isinstance(packed, jax.Array) else jnp.asarray(packed)
+    scales = scales if isinstance(scales, jax.Array) else jnp.asarray(scales)
+    axis, n, lead, trail = _codes_shape(packed, scales, axis)
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=axis + 1).reshape(*lead, n, *trail)
+    vals = jnp.take(jnp.asarray(E2M1_VALUES), codes.astype(jnp.int32), axis=0)
+    vals = vals.reshape(*lead, n // BLOCK_SIZE, BLOCK_SIZE, *trail)
+    b = scales.astype(jnp.uint32)
+    # 2**(b-127) as float32 bits, kept normal: byte 0 uses 2**-126 times a 0.5 fixup.
+    scale = jax.lax.bitcast_convert_type(jnp.maximum(b, 1) << 23, jnp.float32)
+    scale = jnp.where(b == SCALE_NAN, jnp.float32(jnp.nan), scale)
+    fix = jnp.where(b == 0, jnp.float32(0.5), jnp.float32(1.0))
+    out = vals * jnp.expand_dims(scale, axis + 1) * jnp.expand_dims(fix, axis + 1)
+    out = jnp.where(jnp.abs(out) < jnp.float32(MIN_NORMAL_F32), vals * jnp.float32(0.0), out)
+    return out.reshape(*lead, n, *trail).astype(dtype)
+
+
+def dequant_numpy(packed, scales, *, axis: int = -1) -> np.ndarray:
+    """Host-side dequant, the same float32 math as ``dequant``.
+
+    packed: uint8 [..., n/2, ...]; scales: uint8 [..., n/32, ...] -> float32."""
+    packed = np.asarray(packed)
+    scales = np.asarray(scales)
+    axis, n, lead, trail = _codes_shape(packed, scales, axis)
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=axis + 1).reshape(*lead, n, *trail)
+    vals = E2M1_VALUES[codes].reshape(*lead, n // BLOCK_SIZE, BLOCK_SIZE, *trail)
+    b = scales.astype(np.uint32)
+    scale = (np.maximum(b, 1) << 23).astype(np.uint32).view(np.float32)
+    scale = np.where(b == SCALE_NAN, np.float32(np.nan), scale).astype(np.float32)
+    fix = np.where(b == 0, np.float32(0.5), np.float32(1.0)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = vals * np.expand_dims(scale, axis + 1) * np.expand_dims(fix, axis + 1)
+        out = np.where(np.abs(out) < np.float32(MIN_NORMAL_F32), vals * np.float32(0.0), out)
+    return out.reshape(*lead, n, *trail).astype(np.float32, copy=False)
+
+
+# -- encode ------------------------------------------------------------------
+
+# Midpoints between consecutive E2M1 magnitudes; at a tie the even code wins,
+# so a midpoint after an even code is crossed with '>', after an odd one '>='.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def encode(x) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize to MXFP4 on the host (for writing synthetic checkpoints).
+
+    x: float [..., n], n a multiple of 32 -> (packed uint8 [..., n/2],
+    scales uint8 [..., n/32]). Per 32-block shared exponent
+    ``clip(floor(log2(amax)) - 2, -127, 127)`` (byte 127 for an all-zero block),
+    round to nearest E2M1 with ties to the even code, saturate at +-6."""
+    x = np.asarray(x)
+    if x.dtype.kind in "biucOSU":          # floats (incl. ml_dtypes bfloat16) only
+        raise ValueError(f"encode expects a floating array, got {x.dtype}")
+    x = x.astype(np.float64)
+    if x.ndim == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"encode: last dim must be a positive multiple of {BLOCK_SIZE}, "
+                         f"got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("encode: input holds NaN or inf")
+    lead, n = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, n // BLOCK_SIZE, BLOCK_SIZE)
+    amax = np.max(np.abs(blocks), axis=-1)
+    _, e2 = np.frexp(amax)                      # amax = m * 2**e2, m in [0.5, 1)
+    shared = np.where(amax > 0, e2.astype(np.int64) - 1 - 2, 0)
+    shared = np.clip(shared, -127, 127)
+    y = np.abs(blocks) * np.ldexp(1.0, -shared)[..., None]   # exact power-of-2 scaling
+    mag = np.zeros(y.shape, np.uint8)
+    for i, mid in enumerate(_MIDPOINTS):
+        mag += (y > mid) if i % 2 == 0 else (y >= mid)
+    code = mag | np.where((blocks < 0) & (mag != 0), np.uint8(8), np.uint8(0))
+    code = code.astype(np.uint8).reshape(*lead, n)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    scales = (shared + 127).astype(np.uint8)
+    return packed, scales
+
+
+# -- grouped weights -----------------------------------------------------------
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -71,28 +232,13 @@ class Mxfp4Weights:
         """Group ``g``'s weight [K, N] in ``dtype`` (g may be traced)."""
         packed_KN = jax.lax.dynamic_index_in_dim(self.packed_GKN, g, 0, keepdims=False)
         scale_KN = jax.lax.dynamic_index_in_dim(self.scale_GKN, g, 0, keepdims=False)
-        return dequantize_expert(packed_KN, scale_KN, dtype)
+        return dequant(packed_KN, scale_KN, dtype, axis=0)
 
     def dequantize(self, dtype) -> jax.Array:
         """Every group [G, K, N] in ``dtype`` (for tests and small shapes only)."""
-        return jax.vmap(lambda p, s: dequantize_expert(p, s, dtype))(self.packed_GKN,
-                                                                     self.scale_GKN)
+        return jax.vmap(lambda p, s: dequant(p, s, dtype, axis=0))(self.packed_GKN,
+                                                                   self.scale_GKN)
 
 
-def dequantize_expert(packed_KN: jax.Array, scale_KN: jax.Array, dtype) -> jax.Array:
-    """uint8 packed_KN [K/2, N], scale_KN [K/32, N] -> dtype [K, N] (float32 math)."""
-    half_k, n = packed_KN.shape
-    k = 2 * half_k
-    codes = jnp.stack([packed_KN & 0x0F, packed_KN >> 4], axis=1).reshape(k, n)
-    vals = jnp.take(jnp.asarray(np.array(_E2M1_VALUES, np.float32)), codes.astype(jnp.int32),
-                    axis=0).reshape(k // BLOCK_SIZE, BLOCK_SIZE, n)
-    b = scale_KN.astype(jnp.uint32)
-    scale = jax.lax.bitcast_convert_type(jnp.maximum(b, 1) << 23, jnp.float32)
-    scale = jnp.where(b == _SCALE_NAN, jnp.float32(jnp.nan), scale)
-    fix = jnp.where(b == 0, jnp.float32(0.5), jnp.float32(1.0))
-    out = vals * scale[:, None, :] * fix[:, None, :]
-    out = jnp.where(jnp.abs(out) < _MIN_NORMAL_F32, vals * jnp.float32(0.0), out)
-    return out.reshape(k, n).astype(dtype)
-
-
-__all__ = ["BLOCK_SIZE", "Mxfp4Weights", "dequantize_expert"]
+__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Weights",
+           "check_shapes", "dequant", "dequant_numpy", "encode", "validate_scales"]

@@ -28,9 +28,9 @@ from safetensors.numpy import load_file
 from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main
 from k3jax.config import TINY
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from numerics import rel_err
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab
+from pallas_kernels.mxfp4 import dequant_numpy
 from reference_np import np_mlp, np_moe, np_route
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def layer_tensors(ckpt, layer: int) -> dict[str, np.ndarray]:
     for name, value in raw.items():
         if name.endswith(".weight_packed"):
             weight = name[:-len("_packed")]
-            out[weight] = decode_mxfp4_numpy(value, raw[weight + "_scale"]).astype(np.float64)
+            out[weight] = dequant_numpy(value, raw[weight + "_scale"]).astype(np.float64)
         elif not name.endswith(".weight_scale"):
             out[name] = value.astype(np.float64)
     return out
@@ -116,10 +116,10 @@ def _record_launches(monkeypatch, module, launcher: str, calls: list) -> None:
 def kernel_calls(monkeypatch):
     """Records (weight count, x shape, weight shape) of every Mosaic kernel launch
     traced: the row-major tiles (mosaic_sm90) and the weights-on-M decode tiles
-    (mosaic_sm90_decode, which the launcher picks at small rows per group)."""
+    (mosaic_sm90_swap_ab, which the launcher picks at small rows per group)."""
     calls = []
     _record_launches(monkeypatch, mosaic_sm90, "_grouped_call", calls)
-    _record_launches(monkeypatch, mosaic_sm90_decode, "_grouped_call", calls)
+    _record_launches(monkeypatch, mosaic_sm90_swap_ab, "_grouped_call", calls)
     monkeypatch.delenv("K3JAX_SHARD_SP_SHARED_EXPERT", raising=False)
     return calls
 

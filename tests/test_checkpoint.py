@@ -29,8 +29,8 @@ from k3jax.checkpoint.names import layer_prefix
 from k3jax.config import TINY, TINY_GROUPED, from_hf_config
 from k3jax.layout import ParallelConfig, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
 from numerics import jitted, rel_err
+from pallas_kernels.mxfp4 import dequant_numpy, encode
 from reference_np import np_mlp, np_moe, random_moe_tensors
 
 BF16 = ml_dtypes.bfloat16
@@ -68,9 +68,9 @@ def stored_items(cfg, layers, dtype=np.float32, mxfp4=False):
         seen[layer] = {}
         for k, v in tensors.items():
             if mxfp4 and k.startswith("experts."):
-                packed, scale = encode_mxfp4(v)
+                packed, scale = encode(v)
                 items += [(prefix + k + "_packed", packed), (prefix + k + "_scale", scale)]
-                seen[layer][k] = decode_mxfp4_numpy(packed, scale).astype(np.float64)
+                seen[layer][k] = dequant_numpy(packed, scale).astype(np.float64)
                 continue
             a = v.astype(np.float32 if k.endswith("bias") else dtype)
             items.append((prefix + k, a))

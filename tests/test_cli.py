@@ -18,8 +18,8 @@ from k3jax.checkpoint import CheckpointReader, write_checkpoint
 from k3jax.checkpoint.names import layer_prefix
 from k3jax.cli import main
 from k3jax.config import TINY
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from numerics import rel_err
+from pallas_kernels.mxfp4 import dequant_numpy
 from reference_np import np_mlp, np_moe
 
 pytestmark = pytest.mark.tiers(
@@ -40,7 +40,7 @@ def layer_tensors(ckpt, layer):
             continue
         if name.endswith(".weight_packed"):
             weight = name[:-len("_packed")]
-            out[weight[len(prefix):]] = decode_mxfp4_numpy(reader.read(name),
+            out[weight[len(prefix):]] = dequant_numpy(reader.read(name),
                                                            reader.read(weight + "_scale"))
         else:
             out[name[len(prefix):]] = np.asarray(reader.read(name), np.float64)

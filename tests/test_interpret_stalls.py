@@ -28,7 +28,7 @@ from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main
 from k3jax.config import TINY
 from pallas_kernels import interpret_compat
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab
 
 STALL_S = 1.0
 
@@ -74,7 +74,7 @@ def test_thread_bound_covers_the_kernels():
     """MAX_THREADS_PER_DEVICE holds the largest CTA of warpgroups times the largest cluster."""
     configs = [v for v in vars(mosaic_sm90).values() if isinstance(v, mosaic_sm90.TileConfig)]
     widest_cta = max(cfg.num_compute_wgs for cfg in configs) + 1
-    assert widest_cta * max(mosaic_sm90_decode.CLUSTER_SIZES) <= interpret_compat.MAX_THREADS_PER_DEVICE
+    assert widest_cta * max(mosaic_sm90_swap_ab.CLUSTER_SIZES) <= interpret_compat.MAX_THREADS_PER_DEVICE
     assert interpret_compat.pool_threads_needed(1, 1) == 1  # one inline thread: nothing blocks
     assert interpret_compat.pool_threads_needed(2, 1) == 3  # two device programs meet
     assert interpret_compat.pool_threads_needed(2, 2) == 7  # + two warpgroups each

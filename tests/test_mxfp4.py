@@ -1,4 +1,4 @@
-"""MXFP4 codec (k3jax.ops.mxfp4) against an independent bit-level decoder."""
+"""MXFP4 codec (pallas_kernels.mxfp4) against an independent bit-level decoder."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.mxfp4 import (
+from pallas_kernels.mxfp4 import (
     E2M1_VALUES,
-    decode_mxfp4,
-    decode_mxfp4_numpy,
-    encode_mxfp4,
+    dequant,
+    dequant_numpy,
+    encode,
     validate_scales,
 )
 
@@ -91,9 +91,9 @@ def test_decoders_match_bit_level(all_codes_all_scales):
     packed, scales = all_codes_all_scales
     want = bit_decode(packed, scales)
     assert np.isnan(want).any() and np.isinf(want).any()      # edge bytes are covered
-    got_np = decode_mxfp4_numpy(packed, scales)
-    got_jax = decode_mxfp4(packed, scales)
-    got_jit = jax.jit(decode_mxfp4)(jnp.asarray(packed), jnp.asarray(scales))
+    got_np = dequant_numpy(packed, scales)
+    got_jax = dequant(packed, scales)
+    got_jit = jax.jit(dequant)(jnp.asarray(packed), jnp.asarray(scales))
     assert got_np.dtype == np.float32 and got_jax.dtype == jnp.float32
     assert bits_equal(got_np, want)
     assert bits_equal(got_jax, want)
@@ -105,21 +105,21 @@ def test_low_nibble_is_even_element():
     packed[0, 0] = 0x71                 # low nibble 1 (0.5), high nibble 7 (6.0)
     packed[0, 15] = 0x2F                # low nibble 15 (-6.0), high nibble 2 (1.0)
     scales = np.full((1, 1), 128, np.uint8)                   # scale 2
-    out = decode_mxfp4_numpy(packed, scales)[0]
+    out = dequant_numpy(packed, scales)[0]
     assert out[0] == 1.0 and out[1] == 12.0 and out[30] == -12.0 and out[31] == 2.0
     assert np.count_nonzero(out) == 4
-    assert bits_equal(decode_mxfp4(packed, scales)[0], out)
+    assert bits_equal(dequant(packed, scales)[0], out)
 
 
 def test_decode_leading_dims_and_bf16():
     rng = np.random.default_rng(7)
     packed = rng.integers(0, 256, (3, 5, 32), dtype=np.uint8)
     scales = rng.integers(100, 160, (3, 5, 2), dtype=np.uint8)
-    f32 = decode_mxfp4_numpy(packed, scales)
+    f32 = dequant_numpy(packed, scales)
     assert f32.shape == (3, 5, 64)
     want = bit_decode(packed.reshape(15, 32), scales.reshape(15, 2)).reshape(3, 5, 64)
     assert bits_equal(f32, want)
-    bf16 = jax.jit(lambda p, s: decode_mxfp4(p, s, dtype=jnp.bfloat16))(packed, scales)
+    bf16 = jax.jit(lambda p, s: dequant(p, s, dtype=jnp.bfloat16))(packed, scales)
     assert bf16.dtype == jnp.bfloat16 and bf16.shape == (3, 5, 64)
     assert bits_equal(np.asarray(bf16.astype(jnp.float32)), f32)    # lossless in bf16
 
@@ -133,17 +133,17 @@ def test_round_trip_representable():
         hi = row % 8
         packed[row] = (rng.integers(0, hi + 1, 64) | (rng.integers(0, hi + 1, 64) << 4)).astype(np.uint8)
     packed[16] = 0
-    decoded = decode_mxfp4_numpy(packed, scales)
+    decoded = dequant_numpy(packed, scales)
     assert np.all(np.isfinite(decoded))
-    p2, s2 = encode_mxfp4(decoded)
+    p2, s2 = encode(decoded)
     assert p2.shape == packed.shape and s2.shape == scales.shape
     assert p2.dtype == np.uint8 and s2.dtype == np.uint8
-    again = decode_mxfp4_numpy(p2, s2)
+    again = dequant_numpy(p2, s2)
     assert np.array_equal(again, decoded)
-    assert bits_equal(decode_mxfp4(p2, s2), again)
+    assert bits_equal(dequant(p2, s2), again)
     # bf16 / jax inputs encode the same way
-    p3, s3 = encode_mxfp4(jnp.asarray(decoded[:, :32], jnp.bfloat16))
-    assert np.array_equal(decode_mxfp4_numpy(p3, s3), decoded[:, :32])
+    p3, s3 = encode(jnp.asarray(decoded[:, :32], jnp.bfloat16))
+    assert np.array_equal(dequant_numpy(p3, s3), decoded[:, :32])
 
 
 def test_encode_rounding_rules():
@@ -151,26 +151,26 @@ def test_encode_rounding_rules():
     x = np.zeros((1, 32))
     vals = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.3, -2.6, 5.1, 0.1, -0.2, -1.0]
     x[0, :len(vals)] = vals
-    packed, scales = encode_mxfp4(x)
+    packed, scales = encode(x)
     assert scales[0, 0] == 127
-    out = decode_mxfp4_numpy(packed, scales)[0, :len(vals)]
+    out = dequant_numpy(packed, scales)[0, :len(vals)]
     # ties go to the even code: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
     assert out.tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, -3.0, 6.0, 0.0, 0.0, -1.0]
     assert not np.signbit(out[12])          # -0.2 rounds to +0 (canonical zero)
     # saturation: amax 7.5 keeps exponent 0, so 7.5 clamps to 6
-    packed, scales = encode_mxfp4(np.full((1, 32), -7.5))
-    assert scales[0, 0] == 127 and np.all(decode_mxfp4_numpy(packed, scales) == -6.0)
+    packed, scales = encode(np.full((1, 32), -7.5))
+    assert scales[0, 0] == 127 and np.all(dequant_numpy(packed, scales) == -6.0)
     # an all-zero block
-    packed, scales = encode_mxfp4(np.zeros((2, 64)))
-    assert np.all(packed == 0) and np.all(decode_mxfp4_numpy(packed, scales) == 0)
+    packed, scales = encode(np.zeros((2, 64)))
+    assert np.all(packed == 0) and np.all(dequant_numpy(packed, scales) == 0)
 
 
 def test_encode_is_nearest_on_its_grid():
     """Brute force: each element is the nearest of the block's 15 grid values."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 64)) * np.exp2(rng.integers(-20, 20, (8, 1)))
-    packed, scales = encode_mxfp4(x)
-    out = decode_mxfp4_numpy(packed, scales).astype(np.float64)
+    packed, scales = encode(x)
+    out = dequant_numpy(packed, scales).astype(np.float64)
     for r in range(8):
         for b in range(2):
             block = x[r, 32 * b:32 * (b + 1)]
@@ -187,8 +187,8 @@ def test_encode_is_nearest_on_its_grid():
 def test_scale_255_is_nan_and_validate_scales():
     packed = np.full((1, 16), 0x22, np.uint8)
     scales = np.array([[255]], np.uint8)
-    assert np.all(np.isnan(decode_mxfp4_numpy(packed, scales)))
-    assert np.all(np.isnan(np.asarray(decode_mxfp4(packed, scales))))
+    assert np.all(np.isnan(dequant_numpy(packed, scales)))
+    assert np.all(np.isnan(np.asarray(dequant(packed, scales))))
     with pytest.raises(ValueError, match="255"):
         validate_scales(np.array([[1, 2], [255, 7]], np.uint8))
     validate_scales(np.arange(255, dtype=np.uint8))
@@ -196,7 +196,7 @@ def test_scale_255_is_nan_and_validate_scales():
         validate_scales(np.arange(4, dtype=np.int32))
 
 
-@pytest.mark.parametrize("decode", [decode_mxfp4, decode_mxfp4_numpy, jax.jit(decode_mxfp4)],
+@pytest.mark.parametrize("decode", [dequant, dequant_numpy, jax.jit(dequant)],
                          ids=["jnp", "numpy", "jit"])
 def test_decode_shape_errors(decode):
     p = np.zeros((4, 16), np.uint8)
@@ -217,8 +217,8 @@ def test_decode_shape_errors(decode):
 
 def test_encode_errors():
     with pytest.raises(ValueError, match="multiple of 32"):
-        encode_mxfp4(np.ones((2, 48)))
+        encode(np.ones((2, 48)))
     with pytest.raises(ValueError, match="NaN or inf"):
-        encode_mxfp4(np.full((1, 32), np.inf))
+        encode(np.full((1, 32), np.inf))
     with pytest.raises(ValueError, match="floating"):
-        encode_mxfp4(np.ones((1, 32), np.int32))
+        encode(np.ones((1, 32), np.int32))

@@ -8,7 +8,6 @@ import safetensors.numpy
 import torch
 
 from k3jax.config import TINY, TINY_GROUPED
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy, encode_mxfp4
 from k3jax.reference import (
     TorchKimiMLP,
     TorchKimiMoE,
@@ -19,6 +18,7 @@ from k3jax.reference import (
     situ_glu,
 )
 from numerics import rel_err
+from pallas_kernels.mxfp4 import dequant_numpy, encode
 from reference_np import np_mlp, np_moe, np_rms_norm, np_route, np_situ, random_moe_tensors
 
 CONFIGS = {"tiny": TINY, "tiny_grouped": TINY_GROUPED}
@@ -250,7 +250,7 @@ def test_torch_mxfp4_decoder_matches_numpy_codec():
     scales = rng.integers(2, 253, (8, 4), dtype=np.uint8)     # float32-normal, finite range
     got = decode_mxfp4_torch(torch.from_numpy(packed), torch.from_numpy(scales))
     assert got.dtype == torch.float32 and got.shape == (8, 128)
-    np.testing.assert_array_equal(got.numpy(), decode_mxfp4_numpy(packed, scales))
+    np.testing.assert_array_equal(got.numpy(), dequant_numpy(packed, scales))
     assert torch.isnan(decode_mxfp4_torch(torch.from_numpy(packed[:1]),
                                           torch.full((1, 4), 255, dtype=torch.uint8))).all()
     with pytest.raises(ValueError):
@@ -274,11 +274,11 @@ def _write_checkpoint(path, cfg, rng):
         for k, v in t.items():
             name = f"model.layers.{layer}.block_sparse_moe.{k}"
             if k.startswith("experts."):
-                packed, scales = encode_mxfp4(v)
+                packed, scales = encode(v)
                 target = file_a if (layer == 1 and k.endswith("w2.weight")) else file_b
                 target[name.replace(".weight", ".weight_packed")] = packed
                 target[name.replace(".weight", ".weight_scale")] = scales
-                logical[k] = decode_mxfp4_numpy(packed, scales).astype(np.float64)
+                logical[k] = dequant_numpy(packed, scales).astype(np.float64)
             else:
                 file_b[name] = v.astype(np.float32)
                 logical[k] = v.astype(np.float32).astype(np.float64)

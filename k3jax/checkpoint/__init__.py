@@ -1,5 +1,5 @@
 """Checkpoints: tensor names (one table), sliced safetensors reading, MXFP4
-tensors (codes + scales; the codec is k3jax.ops.mxfp4), loading layers
+tensors (codes + scales; the codec is pallas_kernels.mxfp4), loading layers
 straight onto devices, and synthetic writing."""
 
 from k3jax.checkpoint.load import load_layer

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
-from k3jax.ops.mxfp4 import BLOCK_SIZE, decode_mxfp4_numpy, validate_scales
+from pallas_kernels.mxfp4 import BLOCK_SIZE, dequant_numpy, validate_scales
 
 
 def local_blocks(shape: Sequence[int], sharding: NamedSharding
@@ -210,6 +210,6 @@ class CheckpointSource:
                                                             last_block * BLOCK_SIZE // 2)])
         scales = self.reader.read(scale_name, [rows, slice(first_block, last_block)])
         self._validate_scales(scale_name, scales)
-        values = decode_mxfp4_numpy(packed, scales)
+        values = dequant_numpy(packed, scales)
         offset = first_block * BLOCK_SIZE
         return values[:, cols.start - offset: cols.stop - offset]

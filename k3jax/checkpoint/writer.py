@@ -16,7 +16,7 @@ from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_te
 from k3jax.checkpoint.reader import INDEX_FILE
 from k3jax.config import K3Config
 from k3jax.files import usual_mode
-from k3jax.ops.mxfp4 import encode_mxfp4
+from pallas_kernels.mxfp4 import encode
 
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormat = Literal["dense", "mxfp4"]
@@ -59,7 +59,7 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
             for w, (out, inp) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
                 name = f"{prefix}experts.{e}.{w}.weight"
                 if experts == "mxfp4":
-                    packed, scales = encode_mxfp4(rng.standard_normal((out, inp), np.float32)
+                    packed, scales = encode(rng.standard_normal((out, inp), np.float32)
                                                   / np.sqrt(inp))
                     packed_name, scale_name = mxfp4_names(name)
                     yield packed_name, packed

@@ -5,15 +5,15 @@ is the test oracle: XLA expands it densely), "pallas" -> mosaic_sm90.py on a
 Hopper GPU, "interpret" -> the same Mosaic kernel in GPU interpret mode (CPU),
 "triton" -> triton_sm80.py through jax-triton (CUDA sm_80+), "auto" -> "pallas"
 on sm_90, "triton" on other CUDA GPUs, else "xla" (see pallas_kernels.backend).
-At decode sizes the Mosaic launch takes mosaic_sm90_decode.py (weights on
-WGMMA's M side) where the cost model predicts it faster (decode_config).
+At decode sizes the Mosaic launch takes mosaic_sm90_swap_ab.py (weights on
+WGMMA's M side) where the committed tile table holds swap-AB tiles (swap_ab_config).
 The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
 Weights may be MXFP4 (``pallas_kernels.mxfp4.Mxfp4Weights``: codes packed
 along K + UE8M0 scales). They run mosaic_sm90_mxfp4.py's kernel on "pallas"
 (the default on Hopper) and "interpret" (TMA streams the packed codes and
-scales; the decode to bf16 happens in the kernel; bf16 or float32 x),
+scales; the dequant to bf16 happens in the kernel; bf16 or float32 x),
 Triton's in-kernel dequantization on "triton", and the blocked path on "xla"
 (one active group dequantized at a time inside its loop; also when only one
 of the fused pair is MXFP4).
@@ -21,9 +21,7 @@ of the fused pair is MXFP4).
 Differentiable in x and the (float) weights on every backend through
 vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan on the transposed
 weights, dw by reference.tgmm). MXFP4 weights are frozen: x gets its gradient
-(jax's autodiff of the blocked scan), the packed weights get none. (jax's
-autodiff of the blocked scan with float weights crashed XLA:CPU under an
-8-device shard_map, a segmentation fault; the custom VJP avoids it.) On
+(jax's autodiff of the blocked scan), the packed weights get none. On
 "pallas" / "interpret", MXFP4 weights go through mxfp4_vjp.py's custom VJP:
 the kernel forward, x's gradient from jax's VJP of the blocked path.
 """
@@ -37,7 +35,7 @@ from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.grouped_matmul import (
     blocked,
     mosaic_sm90,
-    mosaic_sm90_decode,
+    mosaic_sm90_swap_ab,
     mxfp4_vjp,
     tile_choice,
     vjp,
@@ -111,17 +109,17 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
         if impl == "triton":   # in-kernel dequantization (W4A16)
             return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GKN, w_GKN.scale_GKN,
                                                          group_sizes_G)
-        if impl in ("pallas", "interpret"):   # in-kernel decode + bf16 WGMMA (W4A16)
+        if impl in ("pallas", "interpret"):   # in-kernel dequant + bf16 WGMMA (W4A16)
             return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl == "interpret")
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if impl == "xla":
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if impl == "triton":
         return triton_kernels().grouped_matmul(x_MK, w_GKN, group_sizes_G)
-    decode = decode_config(x_MK, w_GKN, 1)
-    if decode is not None:
-        return mosaic_sm90_decode.grouped_matmul(x_MK, w_GKN, group_sizes_G, config=decode,
-                                                 interpret=impl == "interpret")
+    swap_ab = swap_ab_config(x_MK, w_GKN, 1)
+    if swap_ab is not None:
+        return mosaic_sm90_swap_ab.grouped_matmul(x_MK, w_GKN, group_sizes_G, config=swap_ab,
+                                                  interpret=impl == "interpret")
     return mosaic_sm90.grouped_matmul(x_MK, w_GKN, group_sizes_G,
                                       interpret=impl == "interpret")
 
@@ -159,7 +157,7 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
         return triton_kernels().grouped_situ_glu_mxfp4(
             x_MK, w_gate_GKN.packed_GKN, w_gate_GKN.scale_GKN, w_up_GKN.packed_GKN,
             w_up_GKN.scale_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta)
-    if all(packed) and impl in ("pallas", "interpret"):   # in-kernel decode + bf16 WGMMA
+    if all(packed) and impl in ("pallas", "interpret"):   # in-kernel dequant + bf16 WGMMA
         return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
                                           linear_beta, impl == "interpret")
     if impl == "xla" or any(packed):
@@ -168,18 +166,18 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
     if impl == "triton":
         return triton_kernels().grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                                  beta=beta, linear_beta=linear_beta)
-    decode = decode_config(x_MK, w_gate_GKN, 2)
-    if decode is not None:
-        return mosaic_sm90_decode.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
-                                                   beta=beta, linear_beta=linear_beta,
-                                                   config=decode, interpret=impl == "interpret")
+    swap_ab = swap_ab_config(x_MK, w_gate_GKN, 2)
+    if swap_ab is not None:
+        return mosaic_sm90_swap_ab.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
+                                                    beta=beta, linear_beta=linear_beta,
+                                                    config=swap_ab, interpret=impl == "interpret")
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
 
 
-def decode_config(x_MK, w_GKN, num_weights: int) -> mosaic_sm90_decode.DecodeConfig | None:
-    """The Mosaic launch's kernel: the swap-AB tiles (mosaic_sm90_decode) the
+def swap_ab_config(x_MK, w_GKN, num_weights: int) -> mosaic_sm90_swap_ab.SwapABConfig | None:
+    """The Mosaic launch's kernel: the swap-AB tiles (mosaic_sm90_swap_ab) the
     committed tile table holds for this shape (tile_choice.grouped_config),
     else None (mosaic_sm90's row-major tiles)."""
     m, k = x_MK.shape

@@ -1,7 +1,7 @@
 """Hopper (sm_90) grouped matmul with MXFP4 weights dequantized inside the kernel (W4A16).
 
-Same products, schedule and persistent warp-specialized loop as mosaic_sm90.py
-(work_items_4W / schedule, TileConfig, _store_rows):
+Same products and schedule as mosaic_sm90.py, on the shared persistent loop
+(mosaic_skeleton.persistent_body, split_k = 1, tiles drain):
   * ``grouped_matmul_mxfp4``:   y_MN = x_MK @ W[group(row)]
   * ``grouped_situ_glu_mxfp4``: h_MN = situ_glu(x @ W_gate[g], x @ W_up[g])
 with W an ``Mxfp4Weights`` (packed_GKN uint8 [G, K/2, N], scale_GKN uint8
@@ -9,30 +9,28 @@ with W an ``Mxfp4Weights`` (packed_GKN uint8 [G, K/2, N], scale_GKN uint8
 
 Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
 x tile [64, 128] bf16 and, per weight, the packed codes [64, block_n] uint8
-and the scales [4, block_n] uint8: 0.53125 bytes per weight parameter, the
-packed bytes, are all the weight traffic. The consumer warpgroup loads the
-codes as one [64, 32-column chunk] array in the WGMMA register layout, in
-which warp w holds rows 16w..16w+15 = scale block w (so each scale row is
-loaded once as a column vector, broadcast, and picked per row block by a
-binary tree of three selects), decodes them into a bf16 [128, block_n] SMEM tile of its own,
-fences it (commit_smem) and issues the bf16 WGMMA from SMEM as mosaic_sm90.py
-does. One consumer warpgroup, 64-row tiles (see PLAIN / FUSED).
+and the scales [4, block_n] uint8: the packed bytes are all the weight
+traffic. The consumer warpgroup loads the codes as one [64, 32-column chunk]
+array in the WGMMA register layout, in which warp w holds rows 16w..16w+15 =
+scale block w (so each scale row is loaded once as a column vector,
+broadcast, and picked per row block by a binary tree of three selects),
+dequantizes them into a bf16 [128, block_n] SMEM tile of its own, fences it
+(commit_smem) and issues the bf16 WGMMA from SMEM. One consumer warpgroup,
+64-row tiles (see PLAIN / FUSED).
 
 K order. Byte j of a column holds K elements 2j (low nibble) and 2j+1 (high).
-The decode writes a 128-element K chunk's low nibbles (its even elements) to
+The dequant writes a 128-element K chunk's low nibbles (its even elements) to
 rows 0..63 of the bf16 tile and the high nibbles (odd) to rows 64..127, with
 no in-register interleave. x streams as uint32 words of bf16 pairs (an XLA
 bitcast, no copy); each consumer splits its x tile into even / odd halves
 (integer and / shift, 16-bit truncation, same-width bitcast) into a bf16
-[64, 128] SMEM tile in the same order (split_pairs). An earlier version
-permuted x's K axis in XLA instead: that copy of x cost 0.72 GiB of
-temporaries at 8192 tokens (K3, SP+EP), over the issue's 10% budget.
+[64, 128] SMEM tile in the same order (split_pairs).
 
-Decode (exact: the decisions of pallas_kernels.mxfp4.dequantize_expert and
-k3jax.ops.mxfp4.decode_mxfp4, bit for bit: scale byte 255 -> NaN, float32
-overflow -> inf, results below 2**-126 -> signed zero, then the exact cast to
-bf16). No float subnormal appears in any operand, so a flush-to-zero multiply
-(XLA:CPU's, in interpret mode) gives the same bits:
+Dequant: exact, the decisions of pallas_kernels.mxfp4 bit for bit (scale
+byte 255 -> NaN, float32 overflow -> inf, results below 2**-126 -> signed
+zero, then the exact cast to bf16). No float subnormal appears in any
+operand, so a flush-to-zero multiply (XLA:CPU's, in interpret mode) gives
+the same bits:
     magnitude: the float32 with bits ((c & 7) << 22) + (126 << 23) is
       2**(e - 1) * (1 + m / 2), the E2M1 magnitude for e >= 1; codes 0 / 1
       (0.5 / 0.75 there) are corrected to 0 / 0.5 by 2x - 1 and a select;
@@ -40,14 +38,8 @@ bf16). No float subnormal appears in any operand, so a flush-to-zero multiply
       b = 255) with bit 0 flagging b = 0, whose magnitudes are halved;
     value = magnitude * scale (overflow -> inf), < 2**-126 -> 0, the code's
       sign or-ed into the bits, cvt to bf16 (exact: <= 2 significant bits).
-About 20 lane operations per parameter (BENCHMARKS.md counts them), against
-the ~2 the issue asks for: the kernel is ALU-bound. A faster variant would
-decode two nibbles per 32-bit register into bf16x2 pairs (``prmt`` / ``lop3``
-through plgpu.inline_mgpu, which interpret mode cannot run) and multiply by
-the scale with ``mul.bf16x2``, keeping this exact path only for tiles whose
-scale bytes include 0, 1 or 255; not done here.
 
-float32 x runs as two bf16 planes (x = hi + lo, mosaic_sm90.split_bf16) against
+float32 x runs as two bf16 planes (x = hi + lo, tiling.split_bf16) against
 the one exact bf16 weight plane: two WGMMAs per K step, float32-accurate to
 ~1e-5 relative (x_lo carries the bits bf16(x) drops; the weights are exact).
 """
@@ -64,15 +56,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.grouped_matmul import mosaic_skeleton as skeleton
 from pallas_kernels.grouped_matmul import mosaic_sm90 as sm90
-from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
+from pallas_kernels.grouped_matmul import tiling
+from pallas_kernels.grouped_matmul.schedule import schedule, x_rows
+from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Weights
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = 128          # K elements per pipeline step: 64 packed rows, 4 scale rows
 _HALF = BLOCK_SIZE // 2   # packed rows per scale block (16)
-DECODE_COLS = 32          # columns decoded at a time (registers: 16 per int32 array; 16 has no
-                          # bank-conflict-free SMEM transfer for uint8)
-_MIN_NORMAL_F32 = float(2.0 ** -126)
+DEQUANT_COLS = 32         # columns dequantized at a time (registers: 16 per int32 array; 16
+                          # has no bank-conflict-free SMEM transfer for uint8)
 EPILOGUE_COLS = 32   # fused SiTU epilogue: columns per chunk (registers)
 
 
@@ -82,11 +76,11 @@ def scale_bits(scale_row):
     float32 subnormal, and a flush-to-zero multiply, e.g. XLA:CPU's in
     interpret mode, would lose it). One int per column carries both."""
     b = scale_row.astype(jnp.int32)
-    return ((jnp.maximum(b, 1) << 23) | jnp.where(b == 255, jnp.int32(1 << 22), 0)
+    return ((jnp.maximum(b, 1) << 23) | jnp.where(b == SCALE_NAN, jnp.int32(1 << 22), 0)
             | jnp.where(b == 0, jnp.int32(1), 0))
 
 
-def _decode_nibbles(codes, scale_bits_):
+def dequant_nibbles(codes, scale_bits_):
     """int32 E2M1 codes [r, N] (0..15) x scale_bits [r, N] -> bf16 [r, N],
     exact (see the module docstring)."""
     mag3 = codes & 7
@@ -96,15 +90,15 @@ def _decode_nibbles(codes, scale_bits_):
     scale = lax.bitcast_convert_type(scale_bits_ & jnp.int32(~1), jnp.float32)
     mag = jnp.where((scale_bits_ & 1) != 0, mag * 0.5, mag)
     value = mag * scale                           # float32 overflow -> inf; NaN scale -> NaN
-    value = jnp.where(value < jnp.float32(_MIN_NORMAL_F32), jnp.float32(0.0), value)
+    value = jnp.where(value < jnp.float32(MIN_NORMAL_F32), jnp.float32(0.0), value)
     sign = (codes << 28) & jnp.int32(-(1 << 31))
     value = lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign,
                                      jnp.float32)
     return value.astype(jnp.bfloat16)
 
 
-def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
-    """Decode one weight's K step of BLOCK_K = 128: packed uint8 [64, block_n]
+def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
+    """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [64, block_n]
     and scales uint8 [4, block_n] (SMEM) -> bf16 [128, block_n] in w_smem: the
     low nibbles (even K elements) in rows 0..63, the high nibbles (odd) in rows
     64..127 (split_pairs puts x's K in the same order).
@@ -116,7 +110,7 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     warp's row."""
     wgmma = plgpu.Layout.WGMMA
     rows = BLOCK_K // 2
-    cols = min(DECODE_COLS, block_n)
+    cols = min(DEQUANT_COLS, block_n)
     block_of_row = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) // _HALF
     @pl.loop(0, block_n // cols)   # column chunks, a real loop: fewer live registers
     def _chunk(c):
@@ -129,17 +123,16 @@ def decode_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
         bits = jnp.where(high_half, jnp.where(odd_block, blk_bits[3], blk_bits[2]),
                          jnp.where(odd_block, blk_bits[1], blk_bits[0]))
         packed = plgpu.load(packed_smem.at[:, chunk], layout=wgmma).astype(jnp.int32)
-        w_smem[pl.ds(0, rows), chunk] = _decode_nibbles(packed & 0xF, bits)
-        w_smem[pl.ds(rows, rows), chunk] = _decode_nibbles(packed >> 4, bits)
+        w_smem[pl.ds(0, rows), chunk] = dequant_nibbles(packed & 0xF, bits)
+        w_smem[pl.ds(rows, rows), chunk] = dequant_nibbles(packed >> 4, bits)
 
 
 def split_pairs(pairs_smem, x_smem) -> None:
     """uint32 [64, BLOCK_K/2] SMEM tile of bf16 pairs (element 2j in the low
     half) -> bf16 [64, BLOCK_K] x_smem: x's even K elements in columns
-    0..63 (they meet the decoded low nibbles, rows 0..63 of the weight tile)
-    and its odd ones in columns 64..127 (the high nibbles). The K order the
-    decode needs, without a permuted copy of x in HBM (which cost 0.72 GiB of
-    temporaries at 8192 tokens, SP+EP)."""
+    0..63 (they meet the dequantized low nibbles, rows 0..63 of the weight
+    tile) and its odd ones in columns 64..127 (the high nibbles): the K order
+    the dequant needs, without a permuted copy of x in HBM."""
     words = plgpu.load(pairs_smem, layout=plgpu.Layout.WGMMA)
     half = BLOCK_K // 2
     for i, bits in enumerate(((words & 0xFFFF).astype(jnp.uint16),
@@ -154,159 +147,136 @@ def as_pairs(x_MK: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x_MK.reshape(m, k // 2, 2), jnp.uint32)
 
 
-def _pipeline(step_fn, compute_context, *, cfg: sm90.TileConfig, num_w: int, planes: int,
-              num_k_steps: int):
-    """Warp-specialized K pipeline over one tile: ``planes`` x tiles [block_m, 64]
-    and, per weight, packed [32, block_n] + scale [2, block_n] uint8 tiles."""
-    x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K // 2), lambda k: (0, k))   # bf16 pairs
-    packed_spec = plgpu.BlockSpec((BLOCK_K // 2, cfg.block_n), lambda k: (k, 0))
-    scale_spec = plgpu.BlockSpec((BLOCK_K // BLOCK_SIZE, cfg.block_n), lambda k: (k, 0))
-    return plgpu.emit_pipeline_warp_specialized(
-        step_fn, grid=(num_k_steps,),
-        memory_registers=sm90._memory_registers(cfg.num_compute_wgs),
-        in_specs=[x_spec] * planes + [packed_spec, scale_spec] * num_w,
-        wg_axis="wg", num_compute_wgs=cfg.num_compute_wgs,
-        max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context)
+def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
+    """Per K step: ``planes`` x tiles of bf16 pairs [block_m, BLOCK_K / 2]
+    and, per weight, packed [BLOCK_K / 2, block_n] + scale [BLOCK_K / 32,
+    block_n] uint8 tiles."""
+    def in_specs(_first_k_step):
+        x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K // 2), lambda k: (0, k))   # bf16 pairs
+        packed_spec = plgpu.BlockSpec((BLOCK_K // 2, cfg.block_n), lambda k: (k, 0))
+        scale_spec = plgpu.BlockSpec((BLOCK_K // BLOCK_SIZE, cfg.block_n), lambda k: (k, 0))
+        return [x_spec] * planes + [packed_spec, scale_spec] * num_w
+    return skeleton.Pipeline(in_specs, cfg.num_compute_wgs, cfg.max_concurrent_steps,
+                             skeleton.memory_registers(cfg.num_compute_wgs))
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileConfig,
                num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype):
     """Kernel body(meta_4W, *x_planes_MK, (packed_GKN, scale_GKN) * num_w, o_MN).
 
-    mosaic_sm90._make_body's loop (split_k = 1) with the weight operand decoded
-    per K step into a bf16 SMEM tile per consumer warpgroup and weight."""
+    The row-major loop (split_k = 1, tiles drain) with the weight operand
+    dequantized per K step into a bf16 SMEM tile per consumer warpgroup and
+    weight."""
     wg_m = cfg.wg_block_m
-    pipeline_for = functools.partial(_pipeline, cfg=cfg, num_w=num_w, planes=planes,
-                                     num_k_steps=num_k_steps)
+    scratch = {
+        "o_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
+        "w_smem": plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
+        "x_smem": plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
+    }
+    if num_w == 2:  # the fused tile's gate products are staged in f32 SMEM (its epilogue)
+        scratch["g_smem"] = plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), jnp.float32)
 
-    def body(meta_gmem, *refs):
-        x_gmems, w_gmems, o_gmem = refs[:planes], refs[planes:-1], refs[-1]
-        num_items = meta_gmem.shape[1]
+    def tile_order(num_items):
+        def coords(index):
+            item, n_block = plgpu.planar_snake(index, (num_items, num_n_blocks), 1,
+                                               cfg.grid_block_n)
+            return None, item, n_block
+        return num_items * num_n_blocks, coords
 
-        def ignore(*_, **__):
-            return None
-        allocs = pipeline_for(ignore, ignore).get_allocations(
-            *x_gmems, *[w.at[0] for w in w_gmems])
+    def tile_body(t: skeleton.Tile):
+        wg, o_gmem = t.wg, t.o_gmems[0]
+        o_smem, w_smem, x_smem = t.scratch["o_smem"], t.scratch["w_smem"], t.scratch["x_smem"]
+        lo = jnp.clip(t.offset - wg * wg_m, 0, wg_m)
+        hi = jnp.clip(t.offset + t.count - wg * wg_m, 0, wg_m)
 
-        # The fused tile's gate products are staged in f32 SMEM (its epilogue, below).
-        gate_stage = ({"g_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n),
-                                            jnp.float32)} if num_w == 2 else {})
+        def store_tile():
+            skeleton.store_rows(o_smem.at[wg], o_gmem, row0=t.x_row0 + wg * wg_m, offset=lo,
+                                count=hi - lo, col0=t.n_block * cfg.block_n,
+                                block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
 
-        @functools.partial(
-            pl.run_scoped, allocs=allocs,
-            o_smem=plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
-            w_smem=plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
-            x_smem=plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
-            **gate_stage, collective_axes="wg")
-        def _scope(allocs, o_smem, w_smem, x_smem, g_smem=None):
-            wg = lax.axis_index("wg")  # consumers 0..num_compute_wgs-1, producer last
+        def store(tile):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
+            o_smem[wg] = tile.astype(out_dtype)
+            plgpu.commit_smem()
+            store_tile()
 
-            @plgpu.nd_loop((num_items * num_n_blocks,), collective_axes="sm")
-            def _tile_loop(info: plgpu.NDLoopInfo):
-                item, n_block = plgpu.planar_snake(
-                    info.index[0], (num_items, num_n_blocks), 1, cfg.grid_block_n)
-                group = meta_gmem[0, item]
-                x_row0 = meta_gmem[1, item]
-                offset = meta_gmem[2, item]
-                count = meta_gmem[3, item]
-                lo = jnp.clip(offset - wg * wg_m, 0, wg_m)
-                hi = jnp.clip(offset + count - wg * wg_m, 0, wg_m)
+        def mma(_, *rest):
+            smems, accs = rest[:-1], rest[-1]
+            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
 
-                def store(tile):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
-                    o_smem[wg] = tile.astype(out_dtype)
-                    plgpu.commit_smem()
-                    sm90._store_rows(o_smem.at[wg], o_gmem, row0=x_row0 + wg * wg_m, offset=lo,
-                                     count=hi - lo, col0=n_block * cfg.block_n,
-                                     block_n=cfg.block_n, max_rows=min(wg_m, num_rows))
+            @pl.when(hi > lo)  # no dequant and no WGMMA for a consumer without rows
+            def _issue():
+                x_tiles = [x_smem.at[wg * planes + p] for p in range(planes)]
+                for x_pairs, x_tile in zip(x_smems, x_tiles):
+                    split_pairs(x_pairs, x_tile)
+                for i, acc in enumerate(accs):
+                    packed_smem, scale_smem = smems[planes + 2 * i:planes + 2 * i + 2]
+                    tile = w_smem.at[wg * num_w + i]
+                    dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
+                    plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
+                    for x_tile in x_tiles[::-1]:   # lo plane (if any) first
+                        plgpu.wgmma(acc, x_tile, tile)
+            # The pipeline slot is released when this step returns, and the
+            # dequantized tile is rewritten next step: WGMMAs must be done with both.
+            plgpu.wgmma_wait(0)
+            return accs
 
-                def mma(_, *rest):
-                    smems, accs = rest[:-1], rest[-1]
-                    x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
+        def compute_context(run_pipeline):
+            accs = [plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * num_w
 
-                    @pl.when(hi > lo)  # no decode and no WGMMA for a consumer without rows
-                    def _issue():
-                        x_tiles = [x_smem.at[wg * planes + p] for p in range(planes)]
-                        for x_pairs, x_tile in zip(x_smems, x_tiles):
-                            split_pairs(x_pairs, x_tile)
-                        for i, acc in enumerate(accs):
-                            packed_smem, scale_smem = smems[planes + 2 * i:planes + 2 * i + 2]
-                            tile = w_smem.at[wg * num_w + i]
-                            decode_tile(packed_smem, scale_smem, tile, cfg.block_n)
-                            plgpu.commit_smem()   # the decoded tile, visible to WGMMA
-                            for x_tile in x_tiles[::-1]:   # lo plane (if any) first
-                                plgpu.wgmma(acc, x_tile, tile)
-                    # The pipeline slot is released when this step returns, and the
-                    # decode tile is rewritten next step: WGMMAs must be done with both.
-                    plgpu.wgmma_wait(0)
-                    return accs
+            @functools.partial(pl.run_scoped, accs=accs)
+            def _acc_scope(accs):
+                run_pipeline(tuple(accs))
+                if num_w == 1:
+                    store(epilogue(accs[0][...]))
+                    return
+                # Fused: the gate products go to SMEM first (each thread
+                # reads back what it wrote: no barrier), so the SiTU runs
+                # on column chunks with one accumulator live, not two.
+                g_smem = t.scratch["g_smem"]
+                g_smem[wg] = accs[0][...]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous store
+                cols = min(EPILOGUE_COLS, cfg.block_n)
+                for c in range(cfg.block_n // cols):
+                    chunk = pl.ds(c * cols, cols)
+                    gate = plgpu.load(g_smem.at[wg, :, chunk], layout=plgpu.Layout.WGMMA)
+                    o_smem[wg, :, chunk] = epilogue(gate, accs[1][:, chunk]).astype(out_dtype)
+                plgpu.commit_smem()
+                store_tile()
 
-                def compute_context(run_pipeline):
-                    accs = [plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * num_w
+        def tail():
+            @pl.when((t.count > 0) & (t.group < 0) & (wg < cfg.num_compute_wgs))
+            def _zeros():  # tail rows past sum(group_sizes): no matmul
+                store(jnp.zeros((wg_m, cfg.block_n), out_dtype))
 
-                    @functools.partial(pl.run_scoped, accs=accs)
-                    def _acc_scope(accs):
-                        run_pipeline(tuple(accs))
-                        if num_w == 1:
-                            store(epilogue(accs[0][...]))
-                            return
-                        # Fused: the gate products go to SMEM first (each thread
-                        # reads back what it wrote: no barrier), so the SiTU runs
-                        # on column chunks with one accumulator live, not two.
-                        g_smem[wg] = accs[0][...]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous store
-                        cols = min(EPILOGUE_COLS, cfg.block_n)
-                        for c in range(cfg.block_n // cols):
-                            chunk = pl.ds(c * cols, cols)
-                            gate = plgpu.load(g_smem.at[wg, :, chunk],
-                                              layout=plgpu.Layout.WGMMA)
-                            o_smem[wg, :, chunk] = epilogue(gate, accs[1][:, chunk]).astype(
-                                out_dtype)
-                        plgpu.commit_smem()
-                        sm90._store_rows(o_smem.at[wg], o_gmem, row0=x_row0 + wg * wg_m,
-                                         offset=lo, count=hi - lo,
-                                         col0=n_block * cfg.block_n, block_n=cfg.block_n,
-                                         max_rows=min(wg_m, num_rows))
+        return mma, compute_context, tail
 
-                @pl.when((count > 0) & (group >= 0))
-                def _matmul():
-                    rows = pl.ds(pl.multiple_of(x_row0, sm90.X_ROW_ALIGN), cfg.block_m)
-                    cols = pl.ds(n_block * cfg.block_n, cfg.block_n)
-                    pipeline_for(mma, compute_context)(
-                        *[x.at[rows, :] for x in x_gmems],
-                        *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
-                        allocations=allocs)
-
-                @pl.when((count > 0) & (group < 0) & (wg < cfg.num_compute_wgs))
-                def _zeros():  # tail rows past sum(group_sizes): no matmul
-                    store(jnp.zeros((wg_m, cfg.block_n), out_dtype))
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return body
+    return skeleton.persistent_body(
+        pipeline=pipeline(cfg, num_w, planes), num_x=planes, num_w=2 * num_w,
+        num_k_steps=num_k_steps, split_k=None, x_tile_rows=cfg.block_m,
+        w_tile_cols=cfg.block_n, scratch=scratch, tile_order=tile_order, tile_body=tile_body,
+        no_drain=False)
 
 
 def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: int) -> int:
     """Shared memory of one launch: pipeline stages (x planes + packed codes +
-    scales), the decoded bf16 tiles (one per consumer and weight) and the
+    scales), the dequantized bf16 tiles (one per consumer and weight) and the
     even/odd-split x tiles (one per consumer and plane), the output tile and
     (fused) the f32 gate products the epilogue stages through SMEM."""
     stage = (cfg.block_m * BLOCK_K * 2 * planes
              + num_weights * (BLOCK_K // 2 + BLOCK_K // BLOCK_SIZE) * cfg.block_n)
-    decoded = cfg.num_compute_wgs * (num_weights * BLOCK_K * cfg.block_n
+    dequantized = cfg.num_compute_wgs * (num_weights * BLOCK_K * cfg.block_n
                                      + planes * cfg.wg_block_m * BLOCK_K) * 2
     out_tile = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * out_bytes
     gate_f32 = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * 4 if num_weights == 2 else 0
-    return cfg.max_concurrent_steps * stage + decoded + out_tile + gate_f32
+    return cfg.max_concurrent_steps * stage + dequantized + out_tile + gate_f32
 
 
-# One consumer warpgroup (64-row tiles) for every M: each consumer decodes the
-# weight tile it multiplies, so a taller tile would decode it once per 64 rows
-# anyway. The fused product narrows N to 64: two 64x128 f32 accumulators (128
-# registers a thread) plus the decode spilled 24 B (ptxas, sm_90a); at 64 its
-# SiTU epilogue on both accumulators still spilled 56 B, so the gate products
-# go through SMEM and the SiTU runs on 32-column chunks (0 spills); stages are
-# then as many as SMEM holds.
+# One consumer warpgroup (64-row tiles) for every M: each consumer dequantizes
+# the weight tile it multiplies, so a taller tile would dequantize it once per
+# 64 rows anyway. The fused product narrows N to 64 and stages its gate
+# products through SMEM (the SiTU on 32-column chunks), which ptxas compiles
+# without spills; stages are then as many as SMEM holds.
 PLAIN = sm90.TileConfig(num_compute_wgs=1, block_n=128, block_k=BLOCK_K, max_concurrent_steps=8)
 FUSED = sm90.TileConfig(num_compute_wgs=1, block_n=64, block_k=BLOCK_K, max_concurrent_steps=8)
 
@@ -349,25 +319,21 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dty
     cfg = cfg or default_config(num_weights)
     if cfg.split_k != 1:
         raise ValueError(f"the MXFP4 kernel has no split-K, got split_k={cfg.split_k}")
-    min_n = max(sm90._MIN_BLOCK, 128 // out_bytes)
-    block_n = sm90._fit_block(n, cfg.block_n, min_n) or sm90._padded_block(n, cfg.block_n, min_n)
-    cfg = dataclasses.replace(cfg, block_k=BLOCK_K, block_n=block_n)
-    limit = sm90.SMEM_LIMIT - sm90._SMEM_RESERVE
-    while smem_bytes(cfg, num_weights, planes, out_bytes) > limit:
-        if cfg.max_concurrent_steps > 2:
-            cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
-        elif cfg.block_n // 2 >= min_n:
-            cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
-        else:
-            break   # Mosaic's own SMEM check names the overflow
-    return Mxfp4Plan(cfg=cfg, planes=planes, m_pad=sm90.x_rows(m, cfg.block_m),
-                     k_pad=sm90._round_up(k, BLOCK_K), n_pad=sm90._round_up(n, cfg.block_n))
+    min_n = max(tiling.MIN_BLOCK, 128 // out_bytes)
+    cfg = dataclasses.replace(cfg, block_k=BLOCK_K,
+                              block_n=tiling.block_for(n, cfg.block_n, min_n))
+    fits = functools.partial(smem_bytes, num_weights=num_weights, planes=planes,
+                             out_bytes=out_bytes)
+    # fewer stages (>= 2), then a narrower N block at two stages
+    cfg = tiling.fit_smem(tiling.fit_stages(cfg, fits), fits, min_n)
+    return Mxfp4Plan(cfg=cfg, planes=planes, m_pad=x_rows(m, cfg.block_m),
+                     k_pad=tiling.round_up(k, BLOCK_K), n_pad=tiling.round_up(n, cfg.block_n))
 
 
 def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
     """(packed, scale) zero-padded to [G, k_pad/2, n_pad] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
-    packed = sm90._pad_axis(sm90._pad_axis(w.packed_GKN, 1, k_pad // 2), 2, n_pad)
+    packed = tiling.pad_axis(tiling.pad_axis(w.packed_GKN, 1, k_pad // 2), 2, n_pad)
     scale = w.scale_GKN
     if scale.shape[1:] != (k_pad // BLOCK_SIZE, n_pad):
         scale = jnp.pad(scale, [(0, 0), (0, k_pad // BLOCK_SIZE - scale.shape[1]),
@@ -377,7 +343,7 @@ def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax
 
 def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                 cfg: sm90.TileConfig | None, interpret):
-    """Shared launcher: permute x's K, pad, build the schedule, run the kernel."""
+    """Launcher: pad, view x as bf16 pairs, build the schedule, run the kernel."""
     m, k = x_MK.shape
     num_groups, _, n = weights[0].shape
     num_w = len(weights)
@@ -386,27 +352,19 @@ def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
         return jnp.zeros((m, n), out_dtype)
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
-    x_pad = sm90._pad_axis(sm90._pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
+    x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
     x_planes = [as_pairs(p) for p in
-                (sm90.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
+                (tiling.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in _pad_weight(w, launch.k_pad, launch.n_pad)]
-    meta_4W = sm90.schedule(group_sizes_G, m, cfg.block_m)
+    meta_4W = schedule(group_sizes_G, m, cfg.block_m)
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg, num_rows=m,
                       num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,
                       out_dtype=out_dtype)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
-        grid=(cfg.num_ctas or sm90._num_sms(interpret),),
-        grid_names=("sm",),
-        num_threads=cfg.num_compute_wgs + 1,
-        thread_name="wg",
-        kernel_name=f"{name}_mxfp4_m{cfg.block_m}",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=sm90._interpret_params(interpret),
-    )
+    kernel = skeleton.launch(
+        body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
+        grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
+        num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_mxfp4_m{cfg.block_m}")
     y_MN = kernel(meta_4W, *x_planes, *w_refs)
     return y_MN if launch.n_pad == n else y_MN[:, :n]
 

@@ -22,9 +22,15 @@ staged tiles into registers, selects 0 for rows outside [start, end) (a
 select, so NaN rows vanish too), writes them back and fences before the
 WGMMA. Interior blocks are used as loaded.
 
-Dtypes follow the forward kernels (mosaic_sm90.py): bf16/f16 natively; float32
-as a split-bf16 (bf16x3) product, x_lo^T dy_hi + x_hi^T dy_lo + x_hi^T dy_hi,
-float32-accurate to ~1e-5 relative. The result is cast to ``out_dtype``.
+Not warp-specialized (one warpgroup, a traced step count per tile); it
+shares the launch, planes and tile fitting of the forward kernels
+(mosaic_skeleton.launch, tiling) and its group table is
+schedule.group_table_4G.
+
+Dtypes follow the forward kernels: bf16/f16 natively; float32 as the
+split-bf16 product (tiling.PRODUCTS), x_lo^T dy_hi + x_hi^T dy_lo + x_hi^T
+dy_hi, float32-accurate to ~1e-5 relative. The result is cast to
+``out_dtype``.
 """
 
 from __future__ import annotations
@@ -38,9 +44,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90 as forward
-
-_MIN_BLOCK = 16
+from pallas_kernels.grouped_matmul import mosaic_skeleton as skeleton
+from pallas_kernels.grouped_matmul import tiling
+from pallas_kernels.grouped_matmul.schedule import group_table_4G
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,27 +80,12 @@ DEFAULT = TgmmConfig()
 
 def fit_smem(cfg: TgmmConfig, in_bytes: int, out_bytes: int) -> TgmmConfig:
     """Drop pipeline stages (to >= 2) until the kernel fits the SMEM limit."""
-    limit = forward.SMEM_LIMIT - 1024  # barriers and alignment
-    while cfg.max_concurrent_steps > 2 and cfg.smem_bytes(in_bytes, out_bytes) > limit:
-        cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
-    return cfg
-
-
-def group_table_4G(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.Array:
-    """int32 [4, G]: per group (first row, end row, first row block, row blocks).
-
-    Group ends are clamped to num_rows; an empty group has 0 row blocks.
-    """
-    ends_G = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)
-    starts_G = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_G[:-1]])
-    first_G = starts_G // block_m
-    blocks_G = jnp.where(ends_G > starts_G, (ends_G + block_m - 1) // block_m - first_G, 0)
-    return jnp.stack([starts_G, ends_G, first_G, blocks_G]).astype(jnp.int32)
+    return tiling.fit_stages(cfg, lambda c: c.smem_bytes(in_bytes, out_bytes))
 
 
 def _make_body(*, cfg: TgmmConfig, planes: int, num_k_blocks: int, num_n_blocks: int):
     """Kernel body(table_4G, *x_planes_MK, *dy_planes_MN, o_GKN)."""
-    products = forward._PRODUCTS[planes]  # (x plane, dy plane) per K step
+    products = tiling.PRODUCTS[planes]  # (x plane, dy plane) per K step
     bm, bk, bn = cfg.block_m, cfg.block_k, cfg.block_n
 
     def body(table_gmem, *refs):
@@ -176,33 +167,26 @@ def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, *, out_dty
     if m == 0 or k == 0 or n == 0 or num_groups == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
     in_dtype = jnp.result_type(x_MK, dy_MN)
-    planes = forward.num_planes(in_dtype)
+    planes = tiling.num_planes(in_dtype)
     cfg = config or DEFAULT
     # Output tile rows are the WGMMA M (64 per instruction); columns of >= 128
     # bytes keep the output tile's TMA store 128-byte aligned.
-    min_n = max(_MIN_BLOCK, 128 // out_dtype.itemsize)
-    block_k = forward._fit_block(k, cfg.block_k, 64) or forward._padded_block(k, cfg.block_k, 64)
-    block_n = forward._fit_block(n, cfg.block_n, min_n) or forward._padded_block(n, cfg.block_n,
-                                                                                  min_n)
+    min_n = max(tiling.MIN_BLOCK, 128 // out_dtype.itemsize)
+    block_k = tiling.block_for(k, cfg.block_k, 64)
+    block_n = tiling.block_for(n, cfg.block_n, min_n)
     cfg = fit_smem(dataclasses.replace(cfg, block_k=block_k, block_n=block_n), 2 * planes,
                    out_dtype.itemsize)
-    k_pad, n_pad = forward._round_up(k, block_k), forward._round_up(n, block_n)
-    m_pad = forward._round_up(m, cfg.block_m)
+    k_pad, n_pad = tiling.round_up(k, block_k), tiling.round_up(n, block_n)
+    m_pad = tiling.round_up(m, cfg.block_m)
 
-    x_planes = forward._to_planes(
-        forward._pad_axis(forward._pad_axis(x_MK, 0, m_pad), 1, k_pad), in_dtype, planes)
-    dy_planes = forward._to_planes(
-        forward._pad_axis(forward._pad_axis(dy_MN, 0, m_pad), 1, n_pad), in_dtype, planes)
+    pad = tiling.pad_axis
+    x_planes = tiling.to_planes(pad(pad(x_MK, 0, m_pad), 1, k_pad), in_dtype, planes)
+    dy_planes = tiling.to_planes(pad(pad(dy_MN, 0, m_pad), 1, n_pad), in_dtype, planes)
     table_4G = group_table_4G(group_sizes_G, m, cfg.block_m)
-    kernel = plgpu.kernel(
+    kernel = skeleton.launch(
         _make_body(cfg=cfg, planes=planes, num_k_blocks=k_pad // block_k,
                    num_n_blocks=n_pad // block_n),
         out_type=jax.ShapeDtypeStruct((num_groups, k_pad, n_pad), out_dtype),
-        grid=(forward._num_sms(interpret),),
-        grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=forward._interpret_params(interpret),
-    )
+        grid=(skeleton.num_sms(interpret),), interpret=interpret)
     dw_GKN = kernel(table_4G, *x_planes, *dy_planes)
     return dw_GKN if (k_pad, n_pad) == (k, n) else dw_GKN[:, :k, :n]

@@ -8,7 +8,7 @@ smallest M >= M among the rows of its (op, K, N, groups, num_weights, dtype);
 a launch past the largest, or of a shape the table lacks, gets the kernels'
 static default tiling (None here: mosaic_sm90's default_config).
 
-Grouped rows hold a swap-AB tiling (mosaic_sm90_decode.DecodeConfig) or the
+Grouped rows hold a swap-AB tiling (mosaic_sm90_swap_ab.SwapABConfig) or the
 row-major kernel (None); MLP rows a mosaic_sm90.TileConfig.
 """
 
@@ -17,14 +17,14 @@ from __future__ import annotations
 import bisect
 import functools
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_decode
+from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab
 
 ROW_MAJOR = "row_major"   # a grouped row's "kernel": mosaic_sm90's default tiles
-SWAP_AB = "swap_ab"       # a grouped row's "kernel": mosaic_sm90_decode with the row's fields
+SWAP_AB = "swap_ab"       # a grouped row's "kernel": mosaic_sm90_swap_ab with the row's fields
 MLP = "mlp"               # an MLP row's "kernel": mosaic_sm90 with the row's TileConfig fields
 
 
-def row_config(entry: dict) -> mosaic_sm90_decode.DecodeConfig | mosaic_sm90.TileConfig | None:
+def row_config(entry: dict) -> mosaic_sm90_swap_ab.SwapABConfig | mosaic_sm90.TileConfig | None:
     """The config of one table entry ({"kernel": ..., **config fields})."""
     fields = {key: value for key, value in entry.items() if key != "kernel"}
     kind = entry["kernel"]
@@ -33,7 +33,7 @@ def row_config(entry: dict) -> mosaic_sm90_decode.DecodeConfig | mosaic_sm90.Til
             raise ValueError(f"tile table: a row_major entry takes no fields, got {entry!r}")
         return None
     if kind == SWAP_AB:
-        return mosaic_sm90_decode.DecodeConfig(**fields)
+        return mosaic_sm90_swap_ab.SwapABConfig(**fields)
     if kind == MLP:
         return mosaic_sm90.TileConfig(**fields)
     raise ValueError(f"tile table: unknown kernel {kind!r} in {entry!r}")
@@ -65,7 +65,7 @@ def lookup(op: str, m: int, k: int, n: int, groups: int, num_weights: int,
 
 
 def grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
-                   dtype: str) -> mosaic_sm90_decode.DecodeConfig | None:
+                   dtype: str) -> mosaic_sm90_swap_ab.SwapABConfig | None:
     """The grouped launch's swap-AB tiling, or None for mosaic_sm90's
     row-major default tiles (also for shapes the table lacks)."""
     return lookup("grouped", m, k, n, num_groups, num_weights, dtype)[1]

@@ -8,15 +8,15 @@ Two products, one kernel body (``_grouped_body``):
     products accumulate in two f32 register tiles of the same program and the
     SiTU epilogue runs on those registers (no 2N-wide intermediate in HBM).
 Each has an MXFP4 twin (``*_mxfp4``) taking the weights as packed E2M1 codes
-and UE8M0 scales (SPEC 3, k3jax/ops/mxfp4.py), in the layout KimiMoE stores
+and UE8M0 scales (SPEC 3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
 them (``ExpertStorage.MXFP4``): w_packed_GHN uint8 [G, K/2, N] packed along K
 (low nibble = row 2j, high nibble = row 2j+1) and w_scale_GSN uint8
 [G, K/32, N]. The weight tile is dequantized in registers (shifts and
 masks build the float32 bits of each E2M1 value, times 2**(byte - 127), the
-same float32 math as ``decode_mxfp4``, so bit-identical to it) and fed to a
+same float32 math as ``dequant``, so bit-identical to it) and fed to a
 bf16 tensor-core dot: W4A16. (``tl.dot_scaled`` would need triton 3.9.)
 
-Scheduling: the Mosaic kernels' work items (``mosaic_sm90.work_items_4W``:
+Scheduling: the Mosaic kernels' work items (``schedule.work_items_4W``:
 int32 [4, W] = group or -1 for the tail, the first x row of the item's tile,
 the item's first row within the tile, row count). The grid is (W, N-blocks);
 a program loads only its item's rows of x
@@ -41,7 +41,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
-from pallas_kernels.grouped_matmul.mosaic_sm90 import num_work_items, work_items_4W
+from pallas_kernels.grouped_matmul.schedule import num_work_items, work_items_4W
 from pallas_kernels.triton_target import target_capability
 
 # -- tiles ---------------------------------------------------------------------
@@ -124,7 +124,7 @@ def _situ_glu(gate, up, BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
 @triton.jit
 def _e2m1_ue8m0(codes, scale_bytes):
     """float32 value of E2M1 ``codes`` (int32, 0..15) times 2**(scale_bytes - 127),
-    the float32 math of k3jax.ops.mxfp4.decode_mxfp4 (byte 255 -> NaN, results
+    the float32 math of pallas_kernels.mxfp4.dequant (byte 255 -> NaN, results
     below 2**-126 flushed to a signed zero)."""
     exponent = (codes >> 1) & 3
     mantissa = codes & 1

@@ -144,18 +144,18 @@ def lower_for_sm90(fn, *arg_specs) -> str:
     return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-def decode_case_id(case) -> str:
-    """Test id of a mosaic_sm90_decode case (m, k, n, sizes, dtype, DecodeConfig)."""
+def swap_ab_case_id(case) -> str:
+    """Test id of a mosaic_sm90_swap_ab case (m, k, n, sizes, dtype, SwapABConfig)."""
     m, k, n, sizes, dtype, cfg = case
     return (f"{m}x{k}x{n}_{jnp.dtype(dtype).name}_wg{cfg.num_compute_wgs}x{cfg.wg_block_w}"
             f"_t{cfg.block_t}_s{cfg.split_k}" + (f"_c{cfg.cluster}" if cfg.cluster > 1 else ""))
 
 
-def check_decode_products(case, seed: int) -> None:
-    """Both products of a decode case in interpret mode (the plain and the
+def check_swap_ab_products(case, seed: int) -> None:
+    """Both products of a swap-AB case in interpret mode (the plain and the
     fused kernel) against the float64 loop on fresh inputs; tail rows exactly
     0, no NaN from the poisoned tail of x."""
-    from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
+    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
 
     m, k, n, sizes, dtype, cfg = case
     sizes = np.asarray(sizes, np.int32)
@@ -165,17 +165,17 @@ def check_decode_products(case, seed: int) -> None:
     y = dec.grouped_matmul(x, wg, sizes_j, config=cfg, interpret=True)
     assert y.shape == (m, n) and y.dtype == dtype
     assert_grouped_output(y, np_grouped_matmul(f32(x), f32(wg), sizes), sizes,
-                          kernel_tol(dtype), "plain " + decode_case_id(case))
+                          kernel_tol(dtype), "plain " + swap_ab_case_id(case))
     h = dec.grouped_situ_glu(x, wg, wu, sizes_j, config=cfg, interpret=True,
                              beta=BETA, linear_beta=LINEAR_BETA)
     assert_grouped_output(h, np_grouped_situ_glu(f32(x), f32(wg), f32(wu), sizes), sizes,
-                          kernel_tol(dtype), "fused " + decode_case_id(case))
+                          kernel_tol(dtype), "fused " + swap_ab_case_id(case))
 
 
-def spy_decode_launches(monkeypatch) -> list:
-    """The DecodeConfig of every mosaic_sm90_decode launch from now on (the
+def spy_swap_ab_launches(monkeypatch) -> list:
+    """The SwapABConfig of every mosaic_sm90_swap_ab launch from now on (the
     launcher's choice), recorded while the kernel still runs."""
-    from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
+    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
 
     calls = []
     orig = dec._grouped_call
@@ -193,12 +193,12 @@ def use_tile_rows(monkeypatch, rows: dict) -> None:
     import dataclasses
     import functools
 
-    from pallas_kernels.grouped_matmul import mosaic_sm90_decode, tile_choice, tile_table
+    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, tile_choice, tile_table
 
     def entry(cfg):
         if cfg is None:
             return {"kernel": tile_choice.ROW_MAJOR}
-        kind = (tile_choice.SWAP_AB if isinstance(cfg, mosaic_sm90_decode.DecodeConfig)
+        kind = (tile_choice.SWAP_AB if isinstance(cfg, mosaic_sm90_swap_ab.SwapABConfig)
                 else tile_choice.MLP)
         return {"kernel": kind, **dataclasses.asdict(cfg)}
     monkeypatch.setattr(tile_table, "TILES", {key: entry(cfg) for key, cfg in rows.items()})

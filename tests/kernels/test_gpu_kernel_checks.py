@@ -20,7 +20,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 pytestmark = pytest.mark.tiers(
     compile=["test_every_case_lowers_for_sm90"],
-    slow=["test_a_decode_case_passes_in_interpret_mode"],
+    slow=["test_a_swap_ab_case_passes_in_interpret_mode"],
     integration=["test_usage_errors_exit_2"])
 
 SMALL = [c for c in checks.CASES if c.m <= 120 and c.dtype == checks.BF16][:3]
@@ -89,23 +89,23 @@ def test_cases_cover_what_the_benchmark_sweep_does_not():
         1 if c.op == "matmul" else 2).tiles >= 1000]
     assert len(many) >= 2, "no case with >= 1000 tiles and K >= 1024"
     assert any(c.num_ctas and c.num_ctas < 8 for c in checks.CASES)  # SM count forced small
-    decode = [c for c in checks.CASES if c.decode]   # the weights-on-M decode kernel
-    assert {c.op for c in decode} == {"matmul", "situ_glu"}
-    assert any(c.decode.split_k > 1 for c in decode) and any(c.dtype == checks.F32 for c in decode)
-    assert any(c.decode.num_ctas and c.k >= 1024 for c in decode)
-    clustered = [c for c in decode if c.decode.cluster > 1]  # x multicast over a CTA cluster
-    assert {c.decode.cluster for c in clustered} >= {2, 4}
-    assert any(c.decode.split_k > 1 and c.dtype == checks.F32 for c in clustered)
+    swap_ab = [c for c in checks.CASES if c.swap_ab]   # the swap-AB (weights-on-M) kernel
+    assert {c.op for c in swap_ab} == {"matmul", "situ_glu"}
+    assert any(c.swap_ab.split_k > 1 for c in swap_ab) and any(c.dtype == checks.F32 for c in swap_ab)
+    assert any(c.swap_ab.num_ctas and c.k >= 1024 for c in swap_ab)
+    clustered = [c for c in swap_ab if c.swap_ab.cluster > 1]  # x multicast over a CTA cluster
+    assert {c.swap_ab.cluster for c in clustered} >= {2, 4}
+    assert any(c.swap_ab.split_k > 1 and c.dtype == checks.F32 for c in clustered)
     # the last cluster group overhangs N (TMA zero fill past N), wholly and partly
-    overhang = [c.n % (c.decode.cluster * c.decode.block_w) for c in clustered]
-    assert any(o and o % c.decode.block_w == 0 for o, c in zip(overhang, clustered))
-    assert any(o % c.decode.block_w for o, c in zip(overhang, clustered))
-    assert any(c.decode.num_ctas and c.k >= 1024 for c in clustered)
+    overhang = [c.n % (c.swap_ab.cluster * c.swap_ab.block_w) for c in clustered]
+    assert any(o and o % c.swap_ab.block_w == 0 for o, c in zip(overhang, clustered))
+    assert any(o % c.swap_ab.block_w for o, c in zip(overhang, clustered))
+    assert any(c.swap_ab.num_ctas and c.k >= 1024 for c in clustered)
 
 
 @pytest.mark.parametrize("cluster", [1, 2])
-def test_a_decode_case_passes_in_interpret_mode(cluster):
+def test_a_swap_ab_case_passes_in_interpret_mode(cluster):
     [case] = [c for c in checks.CASES
-              if c.decode and c.dtype == checks.F32 and c.decode.cluster == cluster]
+              if c.swap_ab and c.dtype == checks.F32 and c.swap_ab.cluster == cluster]
     [row] = checks.run_checks([case], "interpret", log=lambda _: None)
     assert row["ok"] and 0 < row["rel_err"] <= row["tol"], row

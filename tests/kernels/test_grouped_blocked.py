@@ -16,10 +16,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import blocked, reference
-from pallas_kernels.mxfp4 import Mxfp4Weights, dequantize_expert
+from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -89,7 +88,7 @@ def _random_mxfp4(rng, g, k, n, scale_lo=120, scale_hi=134):
 
 def _decode_gkn(packed, scale) -> np.ndarray:
     """float32 [G, K, N] through the codec (which decodes along the last axis)."""
-    return np.swapaxes(decode_mxfp4_numpy(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)),
+    return np.swapaxes(dequant_numpy(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)),
                        1, 2)
 
 
@@ -103,7 +102,7 @@ def test_dequantize_expert_is_the_codec_bit_for_bit():
     scale[0, 1] = np.roll(scale[0, 1], 7)
     want = _decode_gkn(packed, scale)[0]
     for dtype in (F32, BF16):
-        got = jax.jit(lambda p, s, dtype=dtype: dequantize_expert(p, s, dtype))(packed[0], scale[0])
+        got = jax.jit(lambda p, s, dtype=dtype: dequant(p, s, dtype, axis=0))(packed[0], scale[0])
         got32 = np.asarray(got.astype(F32))
         np.testing.assert_array_equal(np.isnan(got32), np.isnan(want))
         ok = ~np.isnan(want)

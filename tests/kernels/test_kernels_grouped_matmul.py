@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, resolve_backend
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90, reference, schedule, tiling
 
 pytestmark = pytest.mark.tiers(
     compile=["test_lowers_for_sm90_at_k3_shapes"],
@@ -92,7 +92,7 @@ def test_grouped_situ_glu_interpret_matches_reference(case):
 
 
 # float32 inputs on the prefill tiles (>= 128 rows per group; ~300 here, past
-# the decode kernel's MAX_DECODE_ROWS = 256, so the launcher keeps the
+# the decode kernel's MAX_SWAP_AB_ROWS = 256, so the launcher keeps the
 # row-major tiles): two bf16 planes per element, so fit_smem shrinks the
 # tiles as at K3 shapes (K = 64 = one full block_k): the fused tile to 3
 # stages, then 2 (plan_launch: float32 on two consumers, 3 stages spilled in
@@ -178,7 +178,7 @@ def test_interpret_inside_shard_map_on_two_devices(eight_devices):
 def test_split_bf16_planes():
     """hi + lo carries ~16 significand bits; hi is the bf16 rounding; inf stays inf."""
     x = kc.normal(jax.random.key(5), (4096,), F32, scale=3.0)
-    hi, lo = mosaic_sm90.split_bf16(x)
+    hi, lo = tiling.split_bf16(x)
     assert hi.dtype == lo.dtype == BF16
     np.testing.assert_array_equal(hi, x.astype(BF16))
     x64 = np.asarray(x, np.float64)
@@ -186,13 +186,13 @@ def test_split_bf16_planes():
     assert np.all(resid <= 2.0 ** -16 * np.abs(x64)), float(np.max(resid / np.abs(x64)))
     assert np.max(resid / np.abs(x64)) < 2.0 ** -8 / 4  # far better than bf16 alone
     special = jnp.array([jnp.inf, -jnp.inf, 0.0, 1e-40, 3.4e38], F32)
-    hi_s, lo_s = mosaic_sm90.split_bf16(special)
+    hi_s, lo_s = tiling.split_bf16(special)
     assert list(np.isposinf(np.asarray(hi_s, np.float32))) == [True, False, False, False, True]
     assert np.all(np.isfinite(np.asarray(lo_s, np.float32)))
-    assert mosaic_sm90.num_planes(BF16) == mosaic_sm90.num_planes(jnp.float16) == 1
-    assert mosaic_sm90.num_planes(F32) == 2
+    assert tiling.num_planes(BF16) == tiling.num_planes(jnp.float16) == 1
+    assert tiling.num_planes(F32) == 2
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
-        mosaic_sm90.num_planes(jnp.int8)
+        tiling.num_planes(jnp.int8)
 
 
 @pytest.mark.parametrize("pattern", ["zeros_skewed", "sum_lt_m", "uniform", "one_group_all"])
@@ -215,15 +215,15 @@ def test_work_items_cover_every_row_exactly_once(block_m):
     of <= block_m - 7 rows is one item (its weights read once per N-block)."""
     rng = np.random.default_rng(block_m)
     for m, g in [(1, 1), (63, 5), (64, 3), (65, 11), (300, 7)]:
-        table = jax.jit(functools.partial(mosaic_sm90.work_items_4W, num_rows=m, block_m=block_m))
-        x_rows = mosaic_sm90.x_rows(m, block_m)
+        table = jax.jit(functools.partial(schedule.work_items_4W, num_rows=m, block_m=block_m))
+        x_rows = schedule.x_rows(m, block_m)
         for trial in range(8):
             cuts = np.sort(rng.integers(0, m + 1, size=g))  # sum(sizes) = cuts[-1] <= m
             if trial == 0:
                 cuts[:] = m  # every row in the first group
             sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
             meta = np.asarray(table(jnp.asarray(sizes)))
-            assert meta.shape == (4, mosaic_sm90.num_work_items(m, g, block_m))
+            assert meta.shape == (4, schedule.num_work_items(m, g, block_m))
             owner = np.full(m, -2)
             items_of = np.zeros(g + 1, int)
             for group, x_row0, offset, count in meta.T:
@@ -261,7 +261,7 @@ def test_lowers_for_sm90_at_k3_shapes(num_groups, m, dtype):
 
 
 def test_tile_configs_fit_smem_and_are_chosen_by_rows_per_group(monkeypatch):
-    limit = mosaic_sm90.SMEM_LIMIT
+    limit = tiling.SMEM_LIMIT
     for cfg, num_w in [(mosaic_sm90.FUSED_DECODE, 2), (mosaic_sm90.FUSED_PREFILL, 2),
                        (mosaic_sm90.PLAIN_DECODE, 1), (mosaic_sm90.PLAIN_PREFILL, 1),
                        (mosaic_sm90.FUSED_TALL, 2), (mosaic_sm90.PLAIN_TALL, 1)]:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import kernel_cases as kc
-from pallas_kernels.grouped_matmul import mosaic_sm90
+from pallas_kernels.grouped_matmul import mosaic_sm90, schedule
 
 pytestmark = pytest.mark.tiers(
     slow=["test_interpret_race_detector_finds_no_races_in_the_chain"])
@@ -35,13 +35,13 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def test_no_drain_stages_is_the_largest_common_divisor_from_3():
-    assert mosaic_sm90.no_drain_stages({56}, 5) == 4      # K 3584 / 64, FUSED_DECODE's 5
-    assert mosaic_sm90.no_drain_stages({56}, 8) == 8      # PLAIN_DECODE keeps 8
-    assert mosaic_sm90.no_drain_stages({48}, 5) == 4
-    assert mosaic_sm90.no_drain_stages({56}, 3) == 0      # 3 does not divide 56: drain
-    assert mosaic_sm90.no_drain_stages({12, 16}, 8) == 4
-    assert mosaic_sm90.no_drain_stages({7, 8}, 8) == 0    # split-K ranges of two lengths
-    assert mosaic_sm90.no_drain_stages({4}, 2) == 0       # fewer than 3 stages: drain
+    assert schedule.no_drain_stages({56}, 5) == 4      # K 3584 / 64, FUSED_DECODE's 5
+    assert schedule.no_drain_stages({56}, 8) == 8      # PLAIN_DECODE keeps 8
+    assert schedule.no_drain_stages({48}, 5) == 4
+    assert schedule.no_drain_stages({56}, 3) == 0      # 3 does not divide 56: drain
+    assert schedule.no_drain_stages({12, 16}, 8) == 4
+    assert schedule.no_drain_stages({7, 8}, 8) == 0    # split-K ranges of two lengths
+    assert schedule.no_drain_stages({4}, 2) == 0       # fewer than 3 stages: drain
 
 
 @pytest.mark.parametrize("m,k,n,g,w,dtype,cfg,stages,no_drain", [
@@ -85,8 +85,8 @@ def test_pipeline_bounds_match_a_replay_of_the_loop():
     sizes = jnp.asarray([0, 30, 0, 41, 25, 0], jnp.int32)
     for block_m, num_n_blocks, split_k, grid_block_n, num_ctas in (
             (64, 4, 1, 2, 3), (64, 3, 2, 2, 5), (128, 5, 1, 3, 11), (64, 4, 1, 2, 40)):
-        meta = mosaic_sm90.work_items_4W(sizes, 160, block_m)
-        got = mosaic_sm90.pipeline_bounds_2C(meta, num_n_blocks, split_k, grid_block_n, num_ctas)
+        meta = schedule.work_items_4W(sizes, 160, block_m)
+        got = schedule.pipeline_bounds_2C(meta, num_n_blocks, split_k, grid_block_n, num_ctas)
         want = _replay_bounds(meta, num_n_blocks, split_k, grid_block_n, num_ctas)
         np.testing.assert_array_equal(np.asarray(got), want)
     assert (want[0] == -1).any()  # the last layout leaves CTAs without a matmul tile
@@ -97,11 +97,11 @@ def _chain_facts(sizes, m, k, n, num_weights, dtype, cfg, static=False):
     between its first and last matmul tile."""
     plan = mosaic_sm90.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, cfg)
     c = plan.cfg
-    meta = np.asarray(mosaic_sm90.schedule(np.asarray(sizes, np.int32) if static
+    meta = np.asarray(schedule.schedule(np.asarray(sizes, np.int32) if static
                                            else jnp.asarray(sizes), m, c.block_m))
-    runs_T = np.asarray(mosaic_sm90.matmul_tiles_T(jnp.asarray(meta), plan.num_n_blocks,
+    runs_T = np.asarray(schedule.matmul_tiles_T(jnp.asarray(meta), plan.num_n_blocks,
                                                    c.split_k, c.grid_block_n))
-    bounds = np.asarray(mosaic_sm90.pipeline_bounds_2C(
+    bounds = np.asarray(schedule.pipeline_bounds_2C(
         jnp.asarray(meta), plan.num_n_blocks, c.split_k, c.grid_block_n, c.num_ctas))
     num_items = meta.shape[1]
     snake = jax.jit(jax.vmap(lambda i: plgpu.planar_snake(

@@ -23,11 +23,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from k3jax.ops.mxfp4 import decode_mxfp4_numpy
 from pallas_kernels import grouped_matmul, grouped_situ_glu, interpret_compat
 from pallas_kernels.grouped_matmul import api
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
-from pallas_kernels.mxfp4 import Mxfp4Weights, dequantize_expert
+from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -35,12 +34,12 @@ SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 
 def _decode_gkn(packed, scale) -> np.ndarray:
     """float64 [G, K, N] of the codes, through the codec (decodes along the last axis)."""
-    return np.swapaxes(decode_mxfp4_numpy(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)),
+    return np.swapaxes(dequant_numpy(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)),
                        1, 2).astype(np.float64)
 
 
 def _decode_kernel(n: int):
-    """A one-CTA kernel running mk.decode_tile on one K step: packed [64, n] and
+    """A one-CTA kernel running mk.dequant_tile on one K step: packed [64, n] and
     scales [4, n] (TMA to SMEM) -> the decoded bf16 [128, n] tile (to HBM)."""
     def body(p_gmem, s_gmem, o_gmem):
         @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((64, n), jnp.uint8),
@@ -52,7 +51,7 @@ def _decode_kernel(n: int):
             plgpu.copy_gmem_to_smem(s_gmem, s_smem, s_bar)
             plgpu.barrier_wait(p_bar)
             plgpu.barrier_wait(s_bar)
-            mk.decode_tile(p_smem, s_smem, w_smem, n)
+            mk.dequant_tile(p_smem, s_smem, w_smem, n)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(w_smem, o_gmem)
             plgpu.wait_smem_to_gmem(0)
@@ -73,7 +72,7 @@ def test_in_kernel_decode_is_the_codec_bit_for_bit():
     packed = ((np.arange(64)[:, None] * 5 + 3 * np.arange(n)[None, :]) % 256).astype(np.uint8)
     scale = np.stack([np.roll(np.arange(256, dtype=np.uint8), 61 * r) for r in range(4)])
     got = np.asarray(jax.jit(_decode_kernel(n))(packed, scale).astype(F32))
-    want = np.asarray(dequantize_expert(jnp.asarray(packed), jnp.asarray(scale), F32))
+    want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), F32, axis=0))
     want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # even K, then odd
     assert np.array_equal(want, _decode_gkn(packed[None], scale[None])[0]
                           .reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n), equal_nan=True)

@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
-from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm
+from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm, schedule
 from pallas_kernels.grouped_matmul import reference as grouped_reference
 from pallas_kernels.situ import situ_glu_vjp_f32
 from pallas_kernels.situ_mlp import reference as mlp_reference
@@ -176,7 +176,7 @@ def test_tgmm_reference_matches_float64(pattern):
 
 
 def test_tgmm_group_table():
-    table = np.asarray(mosaic_sm90_tgmm.group_table_4G(jnp.array([0, 70, 0, 5, 60], jnp.int32),
+    table = np.asarray(schedule.group_table_4G(jnp.array([0, 70, 0, 5, 60], jnp.int32),
                                                        num_rows=130, block_m=64))
     # starts, ends (clamped to 130), first row block, row blocks (0 for empty groups)
     np.testing.assert_array_equal(table, [[0, 0, 70, 70, 75], [0, 70, 70, 75, 130],

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc  # noqa: E402
 from pallas_kernels.grouped_matmul import (  # noqa: E402
     mosaic_sm90,
-    mosaic_sm90_decode,
+    mosaic_sm90_swap_ab,
+    schedule,
     tile_choice,
     tile_table,
 )
@@ -80,12 +81,12 @@ def test_every_swap_ab_row_launches_across_its_bucket(key, cfg):
     _, m, k, n, groups, num_weights, dtype = key
     for rows in sorted({m, _bucket_floor(key) + 1}):
         dt = jnp.dtype(dtype)
-        plan = mosaic_sm90_decode.plan_launch(rows, k, n, groups, num_weights, dt, dt, cfg)
+        plan = mosaic_sm90_swap_ab.plan_launch(rows, k, n, groups, num_weights, dt, dt, cfg)
         c = plan.cfg
         assert plan.num_n_blocks * c.block_w == plan.n_pad >= n
         assert plan.num_n_blocks % c.cluster == 0 and plan.n_pad - n < c.cluster * c.block_w
         assert plan.k_pad >= k and plan.k_pad == plan.num_k_steps * c.block_k
-        ranges = [mosaic_sm90.k_range(s, plan.num_k_steps, c.split_k) for s in range(c.split_k)]
+        ranges = [schedule.k_range(s, plan.num_k_steps, c.split_k) for s in range(c.split_k)]
         assert [first for first, _ in ranges] == list(np.cumsum([0] + [s for _, s in ranges])[:-1])
         assert sum(s for _, s in ranges) == plan.num_k_steps
         assert plan.x_rows >= c.block_t
@@ -100,7 +101,7 @@ def test_every_mlp_row_launches_across_its_bucket(key, cfg):
         plan = mosaic_sm90.plan_launch(tokens, d, f, 1, 2, dt, dt, cfg)
         c = plan.cfg
         assert plan.n_pad >= f and plan.k_pad >= d and plan.m_pad >= tokens
-        steps = [mosaic_sm90.k_range(s, plan.num_k_steps, c.split_k)[1] for s in range(c.split_k)]
+        steps = [schedule.k_range(s, plan.num_k_steps, c.split_k)[1] for s in range(c.split_k)]
         assert sum(steps) == plan.num_k_steps and min(steps) >= 1
         assert tile_choice.mlp_config(tokens, d, f, dtype) == cfg
 
@@ -109,9 +110,9 @@ def _check_schedule(sizes, m: int, block: int) -> None:
     """The kernel's work-item table: each valid row [0, min(sum, m)) in exactly
     one item, of its own group; the tail rows in tail items; every item's rows
     inside its block-row x tile, every x tile inside the padded x."""
-    with mosaic_sm90.host_eval():
-        meta = np.asarray(mosaic_sm90.work_items_4W(jnp.asarray(sizes, jnp.int32), m, block))
-    assert meta.shape[1] == mosaic_sm90.num_work_items(m, len(sizes), block)
+    with schedule.host_eval():
+        meta = np.asarray(schedule.work_items_4W(jnp.asarray(sizes, jnp.int32), m, block))
+    assert meta.shape[1] == schedule.num_work_items(m, len(sizes), block)
     ends = np.minimum(np.cumsum(sizes), m)
     group_of_row = np.searchsorted(ends, np.arange(m), side="right")
     seen = np.zeros(m, np.int32)
@@ -121,7 +122,7 @@ def _check_schedule(sizes, m: int, block: int) -> None:
             continue
         rows = np.arange(x_row0 + offset, x_row0 + offset + count)
         assert 0 <= offset and offset + count <= block, (group, x_row0, offset, count)
-        assert x_row0 % mosaic_sm90.X_ROW_ALIGN == 0 and x_row0 + block <= x_rows
+        assert x_row0 % schedule.X_ROW_ALIGN == 0 and x_row0 + block <= x_rows
         want = np.where(group_of_row[rows] < len(sizes), group_of_row[rows], -1)
         assert np.all(want == group), (group, rows)
         seen[rows] += 1
@@ -157,10 +158,10 @@ def test_swap_ab_row_columns_cover_each_valid_row_once():
     for block_t in sorted({cfg.block_t for _, cfg in SWAP_AB_ROWS}):
         m, groups = int(rng.integers(1, 3 * block_t + 20)), int(rng.integers(1, 20))
         sizes = _random_sizes(rng, m, groups)
-        with mosaic_sm90.host_eval():
-            meta = mosaic_sm90.work_items_4W(jnp.asarray(sizes), m, block_t)
+        with schedule.host_eval():
+            meta = schedule.work_items_4W(jnp.asarray(sizes), m, block_t)
             col, valid = (np.asarray(a) for a in
-                          mosaic_sm90_decode.row_columns(meta, m, block_t))
+                          mosaic_sm90_swap_ab.row_columns(meta, m, block_t))
         meta = np.asarray(meta)
         for r in range(m):
             item, j = divmod(int(col[r]), block_t)
@@ -173,7 +174,7 @@ def test_swap_ab_row_columns_cover_each_valid_row_once():
 def test_lookup_rounds_m_up_to_the_next_bucket(monkeypatch):
     """A launch takes the row of the smallest bucket >= M; past the largest
     bucket, or for a shape the table lacks, the default (None)."""
-    a = mosaic_sm90_decode.DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16)
+    a = mosaic_sm90_swap_ab.SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16)
     b = dataclasses.replace(a, block_t=32)
     kc.use_tile_rows(monkeypatch, {("grouped", 64, 256, 512, 8, 1, "bfloat16"): a,
                                    ("grouped", 256, 256, 512, 8, 1, "bfloat16"): b,

@@ -111,7 +111,7 @@ def test_interpreter_matches_xla_reference(case, interpreted):
 
 def test_in_kernel_mxfp4_dequantization_is_bit_exact(interpreted):
     """Scale bytes 0..252 (incl. the flush-to-zero bytes 0 and 1): every
-    dequantized value equals decode_mxfp4's exactly (the identity product
+    dequantized value equals dequant's exactly (the identity product
     turns -0.0 into +0.0: x @ w adds +0 terms, so zeros compare by value)."""
     out = interpreted["mxfp4_decode_exact/out"]
     ref = interpreted["mxfp4_decode_exact/ref"]

@@ -9,7 +9,7 @@ before triton is imported, and must not leak into other tests):
 CASES_JSON: a list of {name, op ("matmul" | "situ" | "mxfp4_decode"), mxfp4,
 m, k, n, g, pattern, poison, seed}. "mxfp4_decode" multiplies one-hot rows
 of x by an MXFP4 weight whose scale bytes span 0..252: the output rows are
-the kernel's dequantized weight rows, ``ref`` is decode_mxfp4's. OUT.npz
+the kernel's dequantized weight rows, ``ref`` is dequant's. OUT.npz
 gets, per case, ``NAME/out``, ``NAME/ref`` (float32), ``NAME/sizes`` and
 ``NAME/block_m``. Outputs start as NaN, so a row the kernel never
 writes shows up as NaN.
@@ -30,10 +30,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from k3jax.ops.mxfp4 import decode_mxfp4  # noqa: E402
 from kernel_cases import BETA, LINEAR_BETA, group_pattern, grouped_inputs, poison_tail  # noqa: E402
 from pallas_kernels.grouped_matmul import reference, triton_sm80  # noqa: E402
-from pallas_kernels.grouped_matmul.mosaic_sm90 import work_items_4W  # noqa: E402
+from pallas_kernels.grouped_matmul.schedule import work_items_4W  # noqa: E402
+from pallas_kernels.mxfp4 import dequant  # noqa: E402
 
 
 def mxfp4_weights(seed: int, g: int, k: int, n: int):
@@ -42,7 +42,7 @@ def mxfp4_weights(seed: int, g: int, k: int, n: int):
     rng = np.random.default_rng(seed)
     packed = rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)
     scale = rng.integers(120, 131, (g, k // 32, n), dtype=np.uint8)
-    dense = jnp.swapaxes(decode_mxfp4(jnp.swapaxes(jnp.asarray(packed), 1, 2),
+    dense = jnp.swapaxes(dequant(jnp.swapaxes(jnp.asarray(packed), 1, 2),
                                       jnp.swapaxes(jnp.asarray(scale), 1, 2)), 1, 2)
     return packed, scale, dense
 
@@ -54,7 +54,7 @@ def run_decode_case(case: dict) -> dict[str, np.ndarray]:
     packed = rng.integers(0, 256, (1, k // 2, n), dtype=np.uint8)
     edge_bytes = np.array([0, 1, 2, 100, 126, 127, 128, 200, 252], np.uint8)  # 253+ overflow
     scale = rng.choice(edge_bytes, (1, k // 32, n)).astype(np.uint8)
-    dense = jnp.swapaxes(decode_mxfp4(jnp.swapaxes(jnp.asarray(packed), 1, 2),
+    dense = jnp.swapaxes(dequant(jnp.swapaxes(jnp.asarray(packed), 1, 2),
                                       jnp.swapaxes(jnp.asarray(scale), 1, 2)), 1, 2)
     launch = triton_sm80.plan(num_rows=k, k=k, n=n, num_groups=1, x_dtype=jnp.float32,
                               fused=False, mxfp4=True)

@@ -1,11 +1,11 @@
-"""mosaic_sm90_decode with a CTA cluster (DecodeConfig.cluster = C > 1): the
+"""mosaic_sm90_swap_ab with a CTA cluster (SwapABConfig.cluster = C > 1): the
 x tile multicast over C CTAs that run C adjacent N-blocks of one (item, K
 range), in GPU interpret mode vs a float64 numpy loop; the multicast split
 rule and the cost model's cluster figures (x bytes / C, num_sms // C
 clusters).
 
 The sm_90a ptxas compile (0 spills) of the clustered tilings the tile table
-holds for the sweep's decode rows is test_kernels_grouped_decode.py's
+holds for the sweep's decode rows is test_kernels_grouped_swap_ab.py's
 test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills.
 
 Measured on the 2-core host, nothing else running: the whole file 56 s (the
@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
 from analysis import kernel_cost, tile_search  # noqa: E402
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-DecodeConfig = dec.DecodeConfig
+SwapABConfig = dec.SwapABConfig
 
 # (m, k, n, sizes, dtype, config). Empty groups and a NaN tail past
 # sum(sizes) in every case. 1: 2 clusters of 2 walk 5 items x 4 superblocks
@@ -41,18 +41,18 @@ DecodeConfig = dec.DecodeConfig
 # 3 CTAs = 1 cluster of 2 and an idle CTA.
 CASES = [
     (40, 320, 512, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=4, cluster=2)),
     (40, 320, 256, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
                   split_k=2, num_ctas=4, cluster=4)),
     (24, 128, 192, [0, 9, 5, 3], F32,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=3, cluster=2)),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.swap_ab_case_id)
 def test_cluster_decode_kernel_interpret_matches_float64(case):
     """Both products of one launch shape against the float64 loop; tail rows
     exactly 0, no NaN from the poisoned tail of x."""
@@ -60,7 +60,7 @@ def test_cluster_decode_kernel_interpret_matches_float64(case):
     plan = dec.plan_launch(m, k, n, len(sizes), 2, dtype, dtype, cfg)
     num_clusters = cfg.num_ctas // cfg.cluster
     assert plan.num_cluster_tiles > num_clusters  # the persistent loop runs
-    kc.check_decode_products(case, seed=m + k + n + cfg.cluster)
+    kc.check_swap_ab_products(case, seed=m + k + n + cfg.cluster)
 
 
 def test_multicast_split_rule():
@@ -75,29 +75,29 @@ def test_multicast_split_rule():
 
 def test_bad_cluster_tiles_are_rejected():
     with pytest.raises(ValueError, match="cluster must be one of"):
-        DecodeConfig(cluster=3)
+        SwapABConfig(cluster=3)
     with pytest.raises(ValueError, match="num_ctas=2 holds no cluster of 4"):
-        DecodeConfig(cluster=4, num_ctas=2)
+        SwapABConfig(cluster=4, num_ctas=2)
     with pytest.raises(ValueError, match=r"x tile \[40, 64\] does not split over a cluster of 2"):
         dec.plan_launch(40, 320, 256, 5, 1, BF16, BF16,
-                        DecodeConfig(block_t=40, max_concurrent_steps=2, cluster=2))
+                        SwapABConfig(block_t=40, max_concurrent_steps=2, cluster=2))
 
 
 def test_cluster_plan_pads_n_to_whole_superblocks():
     plan = dec.plan_launch(24, 128, 192, 4, 1, BF16, BF16,
-                           DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=4))
+                           SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=4))
     assert plan.n_pad == 256 and plan.num_n_blocks == 4
     assert plan.w_cols == 192  # the weights are not padded: N-block 3 reads zero fill
     assert plan.num_cluster_tiles == plan.num_items  # one superblock, no split-K
 
 
 def test_model_cluster_counts_match_a_hand_count():
-    """The hand count of test_kernels_grouped_decode (groups of 5 and 13 rows,
+    """The hand count of test_kernels_grouped_swap_ab (groups of 5 and 13 rows,
     M 24, K 256, N 256, 8-token tiles, one 64-wide consumer: 4 items x 4
     N-blocks) in a cluster of 2: the same 16 CTA tiles and weight bytes, x
     bytes halved (x / w = 8 / 64 / 2), the rest unchanged; 8 cluster tiles
     on 2 clusters of the 4 SMs run 4 each, as 16 tiles on 4 unclustered CTAs."""
-    base = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
+    base = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
     one = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1, config=base, num_sms=4)
     two = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1,
                                  config=dataclasses.replace(base, cluster=2), num_sms=4)
@@ -117,14 +117,14 @@ def test_model_charges_the_sms_a_cluster_size_leaves_idle():
     (1024 / 132 = 7.8); the SM fill is 128 / 132 of the busy time. (K = 448:
     7 K steps, so the tiles drain and each pays the same overhead.)"""
     sizes = [8] * 128
-    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=8)
+    cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, cluster=8)
     assert not dec.plan_launch(8 * 128, 448, 512, 128, 1, jnp.bfloat16, jnp.bfloat16,
                                cfg).no_drain
     cost = kernel_cost.swap_ab_cost(sizes, 8 * 128, 448, 512, 1, config=cfg)
     assert cost.tiles == 128 * 8
     assert cost.sm_fill == pytest.approx(128 / 132)
     unclustered = kernel_cost.swap_ab_cost(sizes, 8 * 128, 448, 512, 1,
-                                         config=DecodeConfig(num_compute_wgs=1, wg_block_w=64,
+                                         config=SwapABConfig(num_compute_wgs=1, wg_block_w=64,
                                                              block_t=8))
     assert unclustered.sm_fill == pytest.approx(1024 / (132 * 8))
 
@@ -161,9 +161,9 @@ def test_launcher_dispatch_runs_a_cluster_tiling(monkeypatch):
     and matches float64, the NaN tail left out."""
     from pallas_kernels.grouped_matmul import api
     m, k, n = 320, 128, 2048
-    cfg = DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=64, cluster=8)
+    cfg = SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=64, cluster=8)
     kc.use_tile_rows(monkeypatch, {("grouped", m, k, n, 8, 1, "bfloat16"): cfg})
-    calls = kc.spy_decode_launches(monkeypatch)
+    calls = kc.spy_swap_ab_launches(monkeypatch)
     sizes = np.asarray([41, 37, 0, 45, 40, 38, 44, 35], np.int32)  # 280 of 320 rows
     x, (w,) = kc.grouped_inputs(11, m, k, n, len(sizes), BF16, 1)
     x = kc.poison_tail(x, sizes)

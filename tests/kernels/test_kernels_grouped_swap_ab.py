@@ -1,8 +1,8 @@
-"""mosaic_sm90_decode: the swap-AB kernel (weights on WGMMA's M side) in GPU
+"""mosaic_sm90_swap_ab: the swap-AB kernel (weights on WGMMA's M side) in GPU
 interpret mode vs a float64 numpy loop, the sm_90a ptxas compile (0 spills)
 of the swap-AB tilings the tile table holds at the sweep's decode shapes and
 of the x-lean tilings the device sweep times beside them (CTA clusters
-included; their interpret cases: test_kernels_grouped_decode_cluster.py), the
+included; their interpret cases: test_kernels_grouped_swap_ab_cluster.py), the
 cost model's swap-AB arithmetic, and the launcher's dispatch on the table.
 """
 
@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
 from analysis import kernel_cost, tile_search, write_tile_table  # noqa: E402
-from pallas_kernels.grouped_matmul import api, mosaic_sm90, tile_choice, tile_table  # noqa: E402
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec
+from pallas_kernels.grouped_matmul import api, schedule, tile_choice, tile_table  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
 
 pytestmark = pytest.mark.tiers(
     compile=["test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills",
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.tiers(
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
-DecodeConfig = dec.DecodeConfig
+SwapABConfig = dec.SwapABConfig
 
 # (m, k, n, sizes, dtype, config). Odd sizes, empty groups, a NaN tail past
 # sum(sizes); 2-3 CTAs walk 8-30 tiles each (the persistent loop, barrier
@@ -37,21 +37,21 @@ DecodeConfig = dec.DecodeConfig
 # (5 K steps into 2 ranges); M below one token tile; bf16x3 float32.
 CASES = [
     (40, 320, 256, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=2)),
     (40, 320, 256, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=128, block_t=8, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=128, block_t=8, max_concurrent_steps=2,
                   split_k=2, num_ctas=3)),
     (5, 128, 128, [2, 0, 1], F32,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=2)),
     (24, 320, 128, [0, 9, 5, 3], F32,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
                   split_k=2, num_ctas=2)),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.swap_ab_case_id)
 def test_decode_kernel_interpret_matches_float64(case):
     """Both products of one launch shape: the plain and the fused kernel
     against the float64 loop; tail rows exactly 0, no NaN from the poisoned
@@ -59,38 +59,38 @@ def test_decode_kernel_interpret_matches_float64(case):
     tiles drain; the chained ones are CHAINED below.)"""
     m, k, n, sizes, dtype, cfg = case
     assert not dec.plan_launch(m, k, n, len(sizes), 1, dtype, dtype, cfg).no_drain
-    kc.check_decode_products(case, seed=sum(case[:3]))
+    kc.check_swap_ab_products(case, seed=sum(case[:3]))
 
 
-# Chained tiles (DecodePlan.no_drain): 8 K steps, 4 stages. (m, k, n, sizes,
+# Chained tiles (SwapABPlan.no_drain): 8 K steps, 4 stages. (m, k, n, sizes,
 # dtype, config): 2 CTAs over 20 tiles with empty groups and a NaN tail;
 # 4 CTAs of which 2 get one tile and 2 none (the single-tile quiesce);
 # clusters of 2 (the chain's states shared by the cluster); bf16x3 float32.
 CHAINED = [
     (40, 512, 256, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
                   num_ctas=2)),
     (16, 512, 128, [16], BF16,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=4,
                   num_ctas=4)),
     (40, 512, 256, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
                   num_ctas=4, cluster=2)),
     (24, 512, 128, [0, 9, 5, 3], F32,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
                   num_ctas=3)),
 ]
 
 
-@pytest.mark.parametrize("case", CHAINED, ids=kc.decode_case_id)
-def test_chained_decode_tiles_match_float64(case):
+@pytest.mark.parametrize("case", CHAINED, ids=kc.swap_ab_case_id)
+def test_chained_swap_ab_tiles_match_float64(case):
     """No drain between a CTA's tiles (START / STEADY / STOP, and a lone
     START tile quiesced after the loop): both products against float64. The
     interpreter checks the barrier phases, so a wrong chain fails here."""
     m, k, n, sizes, dtype, cfg = case
     for num_w in (1, 2):
         assert dec.plan_launch(m, k, n, len(sizes), num_w, dtype, dtype, cfg).no_drain
-    kc.check_decode_products(case, seed=sum(case[:3]))
+    kc.check_swap_ab_products(case, seed=sum(case[:3]))
 
 
 def test_chain_bounds_are_each_clusters_first_and_last_matmul_tile():
@@ -99,10 +99,10 @@ def test_chain_bounds_are_each_clusters_first_and_last_matmul_tile():
     a non-empty item of a group (not the tail)."""
     sizes = jnp.asarray([3, 0, 20, 1, 0, 9], jnp.int32)
     m, k, n = 40, 512, 512
-    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
+    cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
                        split_k=2, cluster=2)
     plan = dec.plan_launch(m, k, n, len(sizes), 1, BF16, BF16, cfg)
-    meta = np.asarray(mosaic_sm90.work_items_4W(sizes, m, cfg.block_t))
+    meta = np.asarray(schedule.work_items_4W(sizes, m, cfg.block_t))
     for num_clusters in (1, 3, 7, 64):
         bounds = np.asarray(dec.chain_bounds_2C(jnp.asarray(meta), plan, num_clusters))
         supers = plan.num_n_blocks // cfg.cluster
@@ -121,7 +121,7 @@ def test_row_columns_point_each_row_at_its_items_column():
     invalid."""
     sizes = jnp.asarray([3, 0, 20, 1], jnp.int32)
     m, block_t = 30, 8
-    meta = np.asarray(mosaic_sm90.work_items_4W(sizes, m, block_t))
+    meta = np.asarray(schedule.work_items_4W(sizes, m, block_t))
     col, valid = (np.asarray(a) for a in dec.row_columns(jnp.asarray(meta), m, block_t))
     for r in range(m):
         item, j = divmod(int(col[r]), block_t)
@@ -130,17 +130,17 @@ def test_row_columns_point_each_row_at_its_items_column():
         assert valid[r] == (r < 24) == (group >= 0), r
 
 
-def test_bad_decode_tiles_are_rejected():
+def test_bad_swap_ab_tiles_are_rejected():
     with pytest.raises(ValueError, match="wg_block_w"):
-        DecodeConfig(wg_block_w=96)
+        SwapABConfig(wg_block_w=96)
     with pytest.raises(ValueError, match="block_t"):
-        DecodeConfig(block_t=12)
+        SwapABConfig(block_t=12)
     with pytest.raises(ValueError, match="split_k=4"):
         dec.plan_launch(40, 320, 256, 5, 1, BF16, BF16,
-                        DecodeConfig(block_t=8, max_concurrent_steps=2, split_k=4))
+                        SwapABConfig(block_t=8, max_concurrent_steps=2, split_k=4))
     with pytest.raises(ValueError, match="shared memory"):
         dec.plan_launch(40, 3584, 3072, 5, 2, F32, F32,
-                        DecodeConfig(num_compute_wgs=2, wg_block_w=256, block_t=64))
+                        SwapABConfig(num_compute_wgs=2, wg_block_w=256, block_t=64))
 
 
 SWEEP_TOKENS = (16, 64, 256)  # the device sweep's decode token counts (benchmarks.kernel_sweep)
@@ -209,7 +209,7 @@ def _compile_without_spills(tilings) -> None:
         reports = cached_reports(name, lambda fn=fn, specs=specs: ptxas_reports(fn, *specs))
         assert reports, (op, cfg)
         for rep in reports:
-            assert "decode" in rep.name, rep
+            assert "swap_ab" in rep.name, rep
             assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, (op, cfg, rep)
             assert not any("serializ" in w.lower() for w in rep.warnings), (op, cfg, rep)
 
@@ -235,7 +235,7 @@ def test_model_counts_match_a_hand_count():
     64-wide consumer: group 0 is one item (rows 0..4), group 1 starts at row
     5 (tile at row 0): rows 5..7, 8..15, 16..17 -> 3 items; the tail (rows
     18..23) has no matmul. 4 items x 4 N-blocks = 16 tiles; x / w = 8 / 64."""
-    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
+    cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
     cost = kernel_cost.swap_ab_cost([5, 13], 24, 256, 256, 1, config=cfg)
     assert cost.tiles == 16
     assert cost.weight_reads_per_active_expert == pytest.approx(4 / 2)
@@ -250,13 +250,13 @@ def test_launcher_dispatch_runs_the_tables_swap_ab_tiling(monkeypatch):
     table holds for the shape (M rounded up to the row's bucket) and matches
     float64; without a row the launcher takes the row-major tiles."""
     m, k, n, sizes = 24, 128, 256, np.asarray([3, 0, 5, 2, 4, 0, 1, 6], np.int32)
-    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
+    cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
     specs = (jax.ShapeDtypeStruct((m, k), BF16), jax.ShapeDtypeStruct((8, k, n), BF16))
     kc.use_tile_rows(monkeypatch, {})
-    assert api.decode_config(*specs, 1) is None
+    assert api.swap_ab_config(*specs, 1) is None
     kc.use_tile_rows(monkeypatch, {("grouped", 32, k, n, 8, 1, "bfloat16"): cfg})
-    assert api.decode_config(*specs, 1) == cfg
-    calls = kc.spy_decode_launches(monkeypatch)
+    assert api.swap_ab_config(*specs, 1) == cfg
+    calls = kc.spy_swap_ab_launches(monkeypatch)
     x, (w,) = kc.grouped_inputs(3, m, k, n, len(sizes), BF16, 1)
     x = kc.poison_tail(x, sizes)
     y = api.grouped_matmul(x, w, jnp.asarray(sizes), backend="interpret")

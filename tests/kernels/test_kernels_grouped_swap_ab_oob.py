@@ -1,4 +1,4 @@
-"""mosaic_sm90_decode where the last cluster group overhangs N (C x block_w
+"""mosaic_sm90_swap_ab where the last cluster group overhangs N (C x block_w
 not dividing N): the weights are not padded, the N-blocks past N read TMA's
 out-of-bounds zero fill (GPU interpret mode fills the same zeros), in
 interpret mode vs a float64 numpy loop; the launcher's jaxpr has no pad of
@@ -9,7 +9,7 @@ partly in-bounds N-block and that the overhanging copies are accepted,
 where interpret mode raises IndexError on an out-of-bounds copy it cannot fill.)
 
 The sm_90a ptxas compile (0 spills) of the overhanging x-lean tilings of
-the sweep's down rows is test_kernels_grouped_decode.py's
+the sweep's down rows is test_kernels_grouped_swap_ab.py's
 test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills.
 
 Measured on the 2-core host, nothing else running: the whole file ~40 s
@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
 from analysis import kernel_cost, tile_search  # noqa: E402
-from pallas_kernels.grouped_matmul import mosaic_sm90_decode as dec  # noqa: E402
+from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
-DecodeConfig = dec.DecodeConfig
+SwapABConfig = dec.SwapABConfig
 
 # (m, k, n, sizes, dtype, config). Empty groups and a NaN tail past
 # sum(sizes) in every case. 1: down-like N = 448 = 3.5 x 128 in a cluster
@@ -45,13 +45,13 @@ DecodeConfig = dec.DecodeConfig
 # cluster of 2 x 64 (n_pad 256) with split-K (two K-range lengths).
 CASES = [
     (40, 192, 448, [7, 0, 13, 1, 0], BF16,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=4, cluster=4)),
     (24, 128, 320, [0, 9, 5, 3], F32,
-     DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
                   num_ctas=8, cluster=4)),
     (30, 320, 200, [4, 0, 11, 6], BF16,
-     DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
                   split_k=2, num_ctas=2, cluster=2)),
 ]
 
@@ -75,10 +75,10 @@ def _weight_pads(fn, *args) -> list:
     return pads
 
 
-@pytest.mark.parametrize("case", CASES, ids=kc.decode_case_id)
+@pytest.mark.parametrize("case", CASES, ids=kc.swap_ab_case_id)
 def test_overhanging_cluster_matches_float64_without_weight_padding(case):
     """Neither launcher pads a weight, and both products match the float64
-    loop (kc.check_decode_products: tail rows exactly 0, no NaN from the
+    loop (kc.check_swap_ab_products: tail rows exactly 0, no NaN from the
     poisoned tail of x)."""
     m, k, n, sizes, dtype, cfg = case
     plan = dec.plan_launch(m, k, n, len(sizes), 2, dtype, dtype, cfg)
@@ -89,14 +89,14 @@ def test_overhanging_cluster_matches_float64_without_weight_padding(case):
                         x, wg, sizes_j) == []
     assert _weight_pads(lambda x, a, b, s: dec.grouped_situ_glu(
         x, a, b, s, config=cfg, interpret=True, **SITU), x, wg, wu, sizes_j) == []
-    kc.check_decode_products(case, seed=m + k + n)
+    kc.check_swap_ab_products(case, seed=m + k + n)
 
 
 def test_weight_pitch_tma_cannot_take_is_padded_to_eight_columns():
     """N = 100 (a 200-byte row pitch, not a multiple of 16): the launcher pads
     the weights to 104 columns only, and the rest of n_pad = 128 is zero fill."""
     m, k, n, sizes = 16, 128, 100, np.asarray([5, 0, 7], np.int32)
-    cfg = DecodeConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+    cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
                        num_ctas=2, cluster=2)
     plan = dec.plan_launch(m, k, n, len(sizes), 1, BF16, BF16, cfg)
     assert (plan.w_cols, plan.n_pad) == (104, 128)
@@ -111,7 +111,7 @@ def test_model_counts_in_bounds_weights_and_charges_the_overhang():
     half past N) vs N = 512: the same tiles, x bytes and cluster time (the
     overhanging CTA runs its whole K loop), weight bytes and flops 448 / 512
     of them; x / w rises by 512 / 448."""
-    cfg = DecodeConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, cluster=4)
+    cfg = SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, cluster=4)
     sizes = [9, 14, 0, 11]
     over = kernel_cost.swap_ab_cost(sizes, 40, 1024, 448, 1, config=cfg, num_sms=8)
     whole = kernel_cost.swap_ab_cost(sizes, 40, 1024, 512, 1, config=cfg, num_sms=8)
