@@ -1,0 +1,75 @@
+"""Blocked transposed grouped matmul (tgmm) in plain XLA: the weight gradient
+of grouped_matmul on the "xla" and "triton" backends.
+
+    dw_GKN[g] = x_MK[rows of g]^T @ dy_MN[rows of g]
+
+``reference.tgmm`` (``jax.lax.ragged_dot_general``) is exact but XLA expands it
+densely ([M, G*K]). This costs O(block) memory on top of its [G, K, N] output:
+the rows are cut into blocked.py's items (the non-empty intersections of one
+group's rows with one ``block_m``-row block, in row order, so each group's
+items are consecutive), and a ``lax.scan`` over them
+
+* slices the item's row block of x and dy, zeroing the rows outside the item
+  (both operands: rows of other groups, and rows past sum(group_sizes) that
+  may hold NaN, contribute exact zeros and never NaN * 0);
+* adds x_BK^T @ dy_BN (f32 products) to a float32 [K, N] accumulator that
+  restarts at zero when the item's group changes;
+* writes the accumulator, cast to out_dtype, into row g of the carried
+  gradient (``dynamic_update_slice``): the last item of a group leaves that
+  group's full sum there, rounded once.
+
+Groups without rows stay exact zeros; empty items skip the product
+(``lax.cond``). Nothing of size [M, G, ...] is allocated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.grouped_matmul.blocked import block_rows, filled, item_block, items_3W
+
+
+def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, *,
+         out_dtype=None) -> jax.Array:
+    """dw_GKN [G, K, N] in out_dtype (default x's): per group x_g^T @ dy_g,
+    accumulated in f32; rows >= sum(group_sizes) ignored (NaN there never
+    leaks); groups without rows are 0."""
+    m, k = x_MK.shape
+    if dy_MN.shape[0] != m:
+        raise ValueError(f"dy_MN rows {dy_MN.shape[0]} != x_MK rows {m}")
+    n = dy_MN.shape[1]
+    num_groups = group_sizes_G.shape[0]
+    out_dtype = out_dtype or x_MK.dtype
+    operands = (x_MK, dy_MN, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return filled(operands, (num_groups, k, n), 0, out_dtype)
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+
+    def step(carry, item):
+        dw_GKN, acc_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def product():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            dy_BN = jnp.where(keep_B1, lax.dynamic_slice_in_dim(dy_MN, start, block_m), 0)
+            return lax.dot_general(x_BK, dy_BN, (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+        prod_KN = lax.cond(active, product, lambda: filled(operands, (k, n), 0, jnp.float32))
+        acc_KN = jnp.where(group == acc_group, acc_KN, 0.0) + prod_KN
+        # An empty trailing item (group clamped to G - 1, product 0) rewrites
+        # group G - 1's sum, or zero when G - 1 has no rows: both exact.
+        dw_GKN = lax.dynamic_update_slice_in_dim(dw_GKN, acc_KN.astype(out_dtype)[None], group, 0)
+        return (dw_GKN, acc_KN, group), None
+
+    init = (filled(operands, (num_groups, k, n), 0, out_dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (), -1, jnp.int32))
+    (dw_GKN, _, _), _ = lax.scan(step, init, items)
+    return dw_GKN
+
+
+__all__ = ["tgmm"]
