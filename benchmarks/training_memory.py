@@ -50,16 +50,17 @@ def _git(*args: str) -> str:
 def measure(layout: str, backend: str, tokens: int, path: Path, timeout: int) -> None:
     argv = command(layout, backend, tokens)
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    dirty = "+local changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    commit = _git("rev-parse", "--short", "HEAD") + dirty
     t0 = time.time()
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:])} exited {proc.returncode}: "
                            f"{proc.stderr.strip().splitlines()[-1:]}")
-    dirty = "+local changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
     record = {"layout": layout, "backend": backend, "tokens": tokens,
               "command": "python " + " ".join(argv[1:]),
-              "commit": _git("rev-parse", "--short", "HEAD") + dirty,
+              "commit": commit,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
               "machine": f"{platform.node()} ({os.cpu_count()} CPUs, no GPU)",
               "report": json.loads(proc.stdout)}
@@ -111,8 +112,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per compile")
     args = ap.parse_args()
     args.raw.mkdir(parents=True, exist_ok=True)
-    for layout in LAYOUTS:
-        for backend, tokens in CASES:
+    for backend, tokens in CASES:
+        for layout in LAYOUTS:
             path = args.raw / f"{layout.replace(' ', '_')}-{backend}-{tokens}.json"
             if (args.only and backend != args.only) or path.exists():
                 continue

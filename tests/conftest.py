@@ -25,3 +25,7 @@ def eight_devices():
     devices = jax.devices()
     assert len(devices) >= 8, f"these tests need 8 devices, found {len(devices)}: {devices}"
     return devices[:8]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "compile: deviceless H200 compiles")
