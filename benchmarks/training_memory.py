@@ -109,13 +109,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--raw", type=Path, default=RESULTS / "training_memory")
     ap.add_argument("--only", choices=("xla", "pallas"), help="measure only this backend")
+    ap.add_argument("--tokens", type=int, help="measure only this token count")
+    ap.add_argument("--layout", choices=list(LAYOUTS), help="measure only this layout")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per compile")
     args = ap.parse_args()
     args.raw.mkdir(parents=True, exist_ok=True)
     for backend, tokens in CASES:
         for layout in LAYOUTS:
             path = args.raw / f"{layout.replace(' ', '_')}-{backend}-{tokens}.json"
-            if (args.only and backend != args.only) or path.exists():
+            skip = ((args.only and backend != args.only) or (args.tokens and tokens != args.tokens)
+                    or (args.layout and layout != args.layout))
+            if skip or path.exists():
                 continue
             print(f"compiling {layout} {backend} {tokens} ...", flush=True)
             measure(layout, backend, tokens, path, args.timeout)
