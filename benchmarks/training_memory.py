@@ -50,7 +50,9 @@ def _git(*args: str) -> str:
 def measure(layout: str, backend: str, tokens: int, path: Path, timeout: int) -> None:
     argv = command(layout, backend, tokens)
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    dirty = "+local changes" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    # uncommitted edits to the code that is compiled (docs and this script aside)
+    dirty = "+local changes" if _git("status", "--porcelain", "--", "k3jax", "pallas_kernels") \
+        else ""
     commit = _git("rev-parse", "--short", "HEAD") + dirty
     t0 = time.time()
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True,
