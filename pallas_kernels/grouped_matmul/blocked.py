@@ -19,7 +19,9 @@ and EP 8). This formulation costs O(block) memory on top of its output:
 
 The same scan runs the backward's transposed products (``grouped_matmul_nt``:
 dx = dy @ w[g]^T, contracting w's N in the dot, so no [G, N, K] copy of the
-weights) and the fused pair's recompute in float32 (``grouped_gate_up_f32``);
+weights) and the fused pair's backward rows (``grouped_situ_glu_dgate_up``:
+gate/up recomputed per block in float32 and turned into [d_gate | d_up] in the
+epilogue, so no [M, 2N] float32 pre-activations are ever held);
 blocked_tgmm.py holds the weight gradient.
 
 Numerics are reference.py's: bf16/f32 products accumulated in f32
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mxfp4 import Mxfp4Weights
-from pallas_kernels.situ import situ_glu
+from pallas_kernels.situ import situ_glu, situ_glu_vjp_f32
 
 Weight = jax.Array | Mxfp4Weights
 MAX_BLOCK_M = 256
@@ -101,21 +103,23 @@ def item_block(item, num_rows: int, block_m: int):
 
 def _blocked(x_MP: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Array,
              epilogue: Callable[..., jax.Array], n: int, *, transposed: bool = False,
-             out_dtype=None) -> jax.Array:
-    """[M, n] in out_dtype (default x's): epilogue(*products) per row's group
-    (f32 products), rows >= sum(group_sizes) exactly 0. The products are
+             side_MS: jax.Array | None = None) -> jax.Array:
+    """[M, n] in x's dtype: epilogue(*products) per row's group (f32
+    products), rows >= sum(group_sizes) exactly 0. The products are
     x_rows @ w[g] for each weight [G, K, N] (P = K), or with ``transposed``
     x_rows[:, i*N:(i+1)*N] @ w_i[g]^T for each weight (P = len(weights) * N,
-    products [rows, K])."""
+    products [rows, K]). With ``side_MS`` [M, S], the epilogue also gets the
+    block's rows of it as its last argument."""
     m, _ = x_MP.shape
     num_groups = group_sizes_G.shape[0]
-    out_dtype = out_dtype or x_MP.dtype
+    out_dtype = x_MP.dtype
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     block_m = block_rows(m, num_groups)
     items = items_3W(group_sizes_G, m, block_m).T
     packed = tuple(w for w in weights if isinstance(w, Mxfp4Weights))
-    operands = (x_MP, *jax.tree.leaves(weights), group_sizes_G)
+    operands = (x_MP, *jax.tree.leaves(weights), group_sizes_G,
+                *(() if side_MS is None else (side_MS,)))
     dequant_dtype = x_MP.dtype
 
     def fill(shape, value=0, dtype=out_dtype):
@@ -150,7 +154,10 @@ def _blocked(x_MP: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
         x_BP = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MP, start, block_m), 0)
 
         def compute():
-            return epilogue(*products(x_BP, dense_weights(group, cached))).astype(out_dtype)
+            prods = products(x_BP, dense_weights(group, cached))
+            if side_MS is not None:
+                prods.append(lax.dynamic_slice_in_dim(side_MS, start, block_m))
+            return epilogue(*prods).astype(out_dtype)
 
         new_BN = lax.cond(active, compute, lambda: fill((block_m, n)))
         old_BN = lax.dynamic_slice_in_dim(y_MN, start, block_m)
@@ -195,10 +202,18 @@ def grouped_matmul_nt(dy_MP: jax.Array, weights: tuple[Weight, ...],
                     transposed=True)
 
 
-def grouped_gate_up_f32(x_MK: jax.Array, w_gate_GKN: Weight, w_up_GKN: Weight,
-                        group_sizes_G: jax.Array) -> jax.Array:
-    """[M, 2N] float32: [x @ w_gate[g] | x @ w_up[g]] per row's group (the fused
-    pair's pre-activations, recomputed by its backward); tail rows 0."""
-    return _blocked(x_MK, (w_gate_GKN, w_up_GKN), group_sizes_G,
-                    lambda gate, up: jnp.concatenate([gate, up], axis=1),
-                    2 * w_gate_GKN.shape[2], out_dtype=jnp.float32)
+def grouped_situ_glu_dgate_up(x_MK: jax.Array, w_gate_GKN: Weight, w_up_GKN: Weight,
+                              dh_MN: jax.Array, group_sizes_G: jax.Array, *, beta: float,
+                              linear_beta: float | None) -> jax.Array:
+    """[M, 2N] in x's dtype: [d_gate | d_up], the cotangents of the fused
+    pair's pre-activations for dh_MN [M, N], per block: gate and up
+    recomputed in float32 (x @ w[g], f32 accumulation), the SiTU-GLU
+    derivative applied in float32 (situ_glu_vjp_f32) on dh in float32, one
+    cast. Rows >= sum(group_sizes) are 0 (their dh, possibly NaN, is never
+    selected)."""
+    def epilogue(gate, up, dh_BN):
+        d_gate, d_up = situ_glu_vjp_f32(gate, up, dh_BN.astype(jnp.float32), beta=beta,
+                                        linear_beta=linear_beta)
+        return jnp.concatenate([d_gate, d_up], axis=1)
+    return _blocked(x_MK, (w_gate_GKN, w_up_GKN), group_sizes_G, epilogue,
+                    2 * w_gate_GKN.shape[2], side_MS=dh_MN)

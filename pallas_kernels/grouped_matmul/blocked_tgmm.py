@@ -31,15 +31,21 @@ from jax import lax
 from pallas_kernels.grouped_matmul.blocked import block_rows, filled, item_block, items_3W
 
 
-def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, *,
-         out_dtype=None) -> jax.Array:
+def tgmm(x_MK: jax.Array, dy_MP: jax.Array, group_sizes_G: jax.Array, *,
+         out_dtype=None, columns: tuple[int, int] | None = None) -> jax.Array:
     """dw_GKN [G, K, N] in out_dtype (default x's): per group x_g^T @ dy_g,
     accumulated in f32; rows >= sum(group_sizes) ignored (NaN there never
-    leaks); groups without rows are 0."""
+    leaks); groups without rows are 0. dy is dy_MP[:, c0:c1] for
+    ``columns`` (c0, c1) (read per block: no copy of the column range),
+    else all of dy_MP (N = P)."""
     m, k = x_MK.shape
-    if dy_MN.shape[0] != m:
-        raise ValueError(f"dy_MN rows {dy_MN.shape[0]} != x_MK rows {m}")
-    n = dy_MN.shape[1]
+    if dy_MP.shape[0] != m:
+        raise ValueError(f"dy_MN rows {dy_MP.shape[0]} != x_MK rows {m}")
+    c0, c1 = columns if columns is not None else (0, dy_MP.shape[1])
+    if not 0 <= c0 <= c1 <= dy_MP.shape[1]:
+        raise ValueError(f"columns {columns} out of range for dy width {dy_MP.shape[1]}")
+    n = c1 - c0
+    dy_MN = dy_MP
     num_groups = group_sizes_G.shape[0]
     out_dtype = out_dtype or x_MK.dtype
     operands = (x_MK, dy_MN, group_sizes_G)
@@ -55,7 +61,8 @@ def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, *,
 
         def product():
             x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
-            dy_BN = jnp.where(keep_B1, lax.dynamic_slice_in_dim(dy_MN, start, block_m), 0)
+            dy_BN = lax.dynamic_slice(dy_MN, (start, c0), (block_m, n))
+            dy_BN = jnp.where(keep_B1, dy_BN, 0)
             return lax.dot_general(x_BK, dy_BN, (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
@@ -64,7 +71,7 @@ def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, *,
         # An empty trailing item (group clamped to G - 1, product 0) rewrites
         # group G - 1's sum, or zero when G - 1 has no rows: both exact.
         dw_GKN = lax.dynamic_update_slice_in_dim(dw_GKN, acc_KN.astype(out_dtype)[None], group, 0)
-        return (dw_GKN, acc_KN, group), None
+        return (dw_GKN, acc_KN, group + lax.full_like(acc_group, 0)), None
 
     init = (filled(operands, (num_groups, k, n), 0, out_dtype),
             filled(operands, (k, n), 0, jnp.float32), filled(operands, (), -1, jnp.int32))

@@ -12,10 +12,9 @@ item):
     dx_MK = blocked.grouped_matmul_nt(dy_MN, (W,))      dy @ W[g]^T, W[g]
             dequantized inside the scan when the item's group changes
   grouped_situ_glu, h = situ_glu(x @ W_gate[g], x @ W_up[g]):
-    recompute [gate | up] in float32 (blocked.grouped_gate_up_f32), the
-    SiTU-GLU derivative in float32 (situ.situ_glu_vjp_f32) on the cotangent
-    with rows >= sum(group_sizes) dropped by a select (NaN there never
-    reaches dx), then dx_MK = blocked.grouped_matmul_nt([d_gate | d_up],
+    one scan recomputes gate and up per block in float32 and applies the
+    SiTU-GLU derivative there (blocked.grouped_situ_glu_dgate_up; rows >=
+    sum(group_sizes) never selected, so NaN there never reaches dx), then dx_MK = blocked.grouped_matmul_nt([d_gate | d_up],
     (W_gate, W_up)) (one f32 accumulation, one rounding to x's dtype).
 
 The packed weights and group_sizes get no cotangent (None): MXFP4 experts are
@@ -27,11 +26,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90_mxfp4, reference
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90_mxfp4
 from pallas_kernels.mxfp4 import Mxfp4Weights
-from pallas_kernels.situ import situ_glu_vjp_f32
 from pallas_kernels.vma import like_primal, varying_like_inputs
 
 IMPLS = ("pallas", "interpret", "xla")
@@ -94,13 +91,8 @@ def _fused_fwd(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, imp
 def _fused_bwd(beta, linear_beta, impl, residuals, dh_MN):
     del impl
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
-    gate_MN, up_MN = jnp.split(
-        blocked.grouped_gate_up_f32(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G), 2, axis=1)
-    valid_M1 = reference.valid_rows_mask_M1(x_MK.shape[0], group_sizes_G)
-    dh_MN = jnp.where(valid_M1, dh_MN.astype(jnp.float32), 0.0)
-    d_gate_MN, d_up_MN = situ_glu_vjp_f32(gate_MN, up_MN, dh_MN, beta=beta,
-                                          linear_beta=linear_beta)
-    d_gateup_M2N = jnp.concatenate([d_gate_MN, d_up_MN], axis=1).astype(x_MK.dtype)
+    d_gateup_M2N = blocked.grouped_situ_glu_dgate_up(
+        x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G, beta=beta, linear_beta=linear_beta)
     dx_MK = blocked.grouped_matmul_nt(d_gateup_M2N, (w_gate_GKN, w_up_GKN), group_sizes_G)
     return like_primal(dx_MK.astype(x_MK.dtype), x_MK), None, None, None
 

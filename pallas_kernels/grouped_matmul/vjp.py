@@ -22,7 +22,9 @@ grouped_situ_glu, h = situ_glu(x @ w_gate[g], x @ w_up[g]) (fused forward):
   grouped matmuls (the forward's own FLOPs) in the backward. So the backward
   re-runs the two products with the backend's plain grouped kernel (result in
   x's dtype: in bf16 the derivative sees bf16-rounded pre-activations; on
-  "xla" one blocked scan gives both in float32, blocked.grouped_gate_up_f32),
+  "xla" one blocked scan recomputes both in float32 and applies the
+  derivative per block, blocked.grouped_situ_glu_dgate_up, writing only
+  [d_gate | d_up] in x's dtype; its tgmm reads the two column ranges in place),
   applies the SiTU-GLU derivative in float32 (situ.situ_glu_vjp_f32), then
   dx_MK  = [d_gate | d_up] @ [w_gate | w_up]^T  one grouped matmul with a
            2N-wide contraction (one f32 accumulation, one rounding; on "xla"
@@ -127,25 +129,28 @@ def _grouped_situ_glu_fwd(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_size
 
 def _grouped_situ_glu_bwd(forwards, impl, beta, linear_beta, residuals, dh_MN):
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
-    # Recompute the pre-activations (see the module docstring).
-    if impl == "xla":
-        gate_up_M2N = blocked.grouped_gate_up_f32(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G)
-        gate_MN, up_MN = jnp.split(gate_up_M2N, 2, axis=1)
-    else:
-        gate_MN = forwards.plain(x_MK, w_gate_GKN, group_sizes_G, impl).astype(jnp.float32)
-        up_MN = forwards.plain(x_MK, w_up_GKN, group_sizes_G, impl).astype(jnp.float32)
+    if impl == "xla":   # one scan: recompute in f32 + SiTU-GLU derivative per block
+        d_gateup_M2N = blocked.grouped_situ_glu_dgate_up(
+            x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+        n = w_gate_GKN.shape[2]
+        dx_MK = blocked.grouped_matmul_nt(d_gateup_M2N, (w_gate_GKN, w_up_GKN), group_sizes_G)
+        dw_gate_GKN = blocked_tgmm.tgmm(x_MK, d_gateup_M2N, group_sizes_G,
+                                        out_dtype=w_gate_GKN.dtype, columns=(0, n))
+        dw_up_GKN = blocked_tgmm.tgmm(x_MK, d_gateup_M2N, group_sizes_G,
+                                      out_dtype=w_up_GKN.dtype, columns=(n, 2 * n))
+        return (like_primal(dx_MK.astype(x_MK.dtype), x_MK),
+                like_primal(dw_gate_GKN, w_gate_GKN), like_primal(dw_up_GKN, w_up_GKN), None)
+    # Recompute the pre-activations with the backend's plain grouped kernel.
+    gate_MN = forwards.plain(x_MK, w_gate_GKN, group_sizes_G, impl).astype(jnp.float32)
+    up_MN = forwards.plain(x_MK, w_up_GKN, group_sizes_G, impl).astype(jnp.float32)
     valid_M1 = reference.valid_rows_mask_M1(x_MK.shape[0], group_sizes_G)
     dh_MN = jnp.where(valid_M1, dh_MN.astype(jnp.float32), 0.0)
     d_gate_MN, d_up_MN = situ_glu_vjp_f32(gate_MN, up_MN, dh_MN, beta=beta,
                                           linear_beta=linear_beta)
     d_gate_MN, d_up_MN = d_gate_MN.astype(x_MK.dtype), d_up_MN.astype(x_MK.dtype)
     d_gateup_M2N = jnp.concatenate([d_gate_MN, d_up_MN], axis=1)
-    if impl == "xla":
-        dx_MK = blocked.grouped_matmul_nt(d_gateup_M2N, (w_gate_GKN, w_up_GKN), group_sizes_G)
-    else:
-        w_G2NK = jnp.concatenate([_transposed_GNK(w_gate_GKN), _transposed_GNK(w_up_GKN)],
-                                 axis=1)
-        dx_MK = forwards.plain(d_gateup_M2N, w_G2NK, group_sizes_G, impl)
+    w_G2NK = jnp.concatenate([_transposed_GNK(w_gate_GKN), _transposed_GNK(w_up_GKN)], axis=1)
+    dx_MK = forwards.plain(d_gateup_M2N, w_G2NK, group_sizes_G, impl)
     dw_gate_GKN = tgmm(x_MK, d_gate_MN, group_sizes_G, impl, w_gate_GKN.dtype)
     dw_up_GKN = tgmm(x_MK, d_up_MN, group_sizes_G, impl, w_up_GKN.dtype)
     return (like_primal(dx_MK.astype(x_MK.dtype), x_MK), like_primal(dw_gate_GKN, w_gate_GKN),

@@ -1,7 +1,7 @@
 """The blocked backward of the "xla" backend: blocked_tgmm.tgmm (the weight
 gradient, also Triton's), blocked.grouped_matmul_nt (dy @ w[g]^T, the
-x-gradient, float and MXFP4 weights), blocked.grouped_gate_up_f32 (the fused
-pair's recompute), and jax.grad through the custom VJPs on "xla" against
+x-gradient, float and MXFP4 weights), blocked.grouped_situ_glu_dgate_up (the
+fused pair's backward rows: gate/up recomputed per block), and jax.grad through the custom VJPs on "xla" against
 float64 numpy on fresh random inputs: empty groups, G = 1, many groups, rows
 past sum(group_sizes) holding NaN in x and in the cotangent. And the memory
 the formulation exists for: no [M, G*K] expansion, no dequantized copy of all
@@ -120,18 +120,30 @@ def test_grouped_matmul_nt_matches_float64(case, num_weights):
         blocked.grouped_matmul_nt(dy[:, :-1], tuple(ws), jnp.asarray(sizes))
 
 
-def test_grouped_gate_up_f32_is_both_products_in_float32():
-    x, dy, sizes = _inputs((300, 32, 48, 4, "sum_lt_m"), BF16, seed=3)
+def test_grouped_situ_glu_dgate_up_matches_float64():
+    """[d_gate | d_up] from one scan (gate/up recomputed per block in f32 from
+    bf16 inputs): float64 reference, NaN in dh and x past sum(sizes) never read."""
+    x, _, sizes = _inputs((300, 32, 48, 4, "sum_lt_m"), BF16, seed=3)
     _, (wg, wu) = kc.grouped_inputs(9, 1, 32, 48, 4, BF16, 2)
-    out = blocked.grouped_gate_up_f32(x, wg, wu, jnp.asarray(sizes))
-    assert out.dtype == F32 and out.shape == (300, 96)
-    want = np.concatenate([kc.np_grouped_matmul(x, wg, sizes), kc.np_grouped_matmul(x, wu, sizes)],
-                          axis=1)
-    kc.assert_grouped_output(out, want, sizes, kc.TOL_F32, "gate|up")   # f32 accuracy from bf16
+    dh = kc.poison_tail(kc.normal(jax.random.key(4), (300, 48), BF16), sizes)
+    out = jax.jit(lambda *a: blocked.grouped_situ_glu_dgate_up(*a, **SITU))(
+        x, wg, wu, dh, jnp.asarray(sizes))
+    assert out.dtype == BF16 and out.shape == (300, 96)
+    d_gate, d_up = np_dgate_up(x, wg, wu, sizes, dh)
+    kc.assert_grouped_output(out.astype(F32), np.concatenate([d_gate, d_up], 1), sizes,
+                             kc.TOL_BF16, "d_gate|d_up")
 
 
-def np_grads_fused(x, wg, wu, sizes, dh):
-    """float64 (dx, dw_gate, dw_up) of sum(grouped_situ_glu * dh) (tail dh dropped)."""
+def test_tgmm_reads_a_column_range_in_place():
+    x, dy, sizes = _inputs((90, 16, 40, 40, "zeros_skewed"), F32, seed=8)
+    got = blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), columns=(8, 32))
+    kc.assert_close(got, np_tgmm(x, np.asarray(dy)[:, 8:32], sizes), kc.TOL_F32, "columns")
+    with pytest.raises(ValueError, match="columns"):
+        blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), columns=(8, 41))
+
+
+def np_dgate_up(x, wg, wu, sizes, dh):
+    """float64 (d_gate, d_up) of the fused pair for dh (tail dh dropped)."""
     gate, up = kc.np_grouped_matmul(x, wg, sizes), kc.np_grouped_matmul(x, wu, sizes)
     total = int(np.sum(sizes))
     dh = np.where(np.arange(len(gate))[:, None] < total, np.asarray(dh, np.float64), 0.0)
@@ -141,8 +153,12 @@ def np_grads_fused(x, wg, wu, sizes, dh):
     dgate_act = (1 - t ** 2) * s + kc.BETA * t * s * (1 - s)
     lb = kc.LINEAR_BETA
     up_act = lb * np.tanh(up / lb)
-    d_gate = dh * up_act * dgate_act
-    d_up = dh * gate_act * (1 - np.tanh(up / lb) ** 2)
+    return dh * up_act * dgate_act, dh * gate_act * (1 - np.tanh(up / lb) ** 2)
+
+
+def np_grads_fused(x, wg, wu, sizes, dh):
+    """float64 (dx, dw_gate, dw_up) of sum(grouped_situ_glu * dh) (tail dh dropped)."""
+    d_gate, d_up = np_dgate_up(x, wg, wu, sizes, dh)
     dx = np_matmul_nt(np.concatenate([d_gate, d_up], 1), (wg, wu), sizes)
     return dx, np_tgmm(x, d_gate, sizes), np_tgmm(x, d_up, sizes)
 
