@@ -20,6 +20,10 @@ items are consecutive), and a ``lax.scan`` over them
 
 Groups without rows stay exact zeros; empty items skip the product
 (``lax.cond``). Nothing of size [M, G, ...] is allocated.
+
+``grouped_situ_glu_vjp`` is the fused pair's whole backward on "xla" in one
+such scan (recompute, SiTU-GLU derivative, dx and both weight gradients per
+item), so no [M, 2N] cotangent of the pre-activations is ever materialized.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.grouped_matmul.blocked import block_rows, filled, item_block, items_3W
+from pallas_kernels.situ import situ_glu_vjp_f32
 
 
 def tgmm(x_MK: jax.Array, dy_MP: jax.Array, group_sizes_G: jax.Array, *,
@@ -79,4 +84,79 @@ def tgmm(x_MK: jax.Array, dy_MP: jax.Array, group_sizes_G: jax.Array, *,
     return dw_GKN
 
 
-__all__ = ["tgmm"]
+
+
+def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array,
+                         dh_MN: jax.Array, group_sizes_G: jax.Array, *, beta: float,
+                         linear_beta: float | None):
+    """(dx_MK, dw_gate_GKN, dw_up_GKN) of the fused pair for dh_MN [M, N], in
+    one scan over the items, holding nothing of size [M, N] or more besides
+    dx: per item, gate and up recomputed in float32 (x_B @ w[g]), the SiTU-GLU
+    derivative in float32 (situ_glu_vjp_f32), d_gate / d_up rounded once to
+    x's dtype, then dx_B = d_gate @ w_gate[g]^T + d_up @ w_up[g]^T (one f32
+    sum, one cast) written into the item's rows, and x_B^T @ d_gate,
+    x_B^T @ d_up added to the group's f32 accumulators (as ``tgmm``). Rows of
+    other items and rows >= sum(group_sizes) are zeroed in x and dh first, so
+    NaN there never leaks; dx there is exactly 0. Float weights only."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_gate_GKN.shape
+    dtype, w_dtype = x_MK.dtype, w_gate_GKN.dtype
+    operands = (x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return (filled(operands, (m, k), 0, dtype), filled(operands, (num_groups, k, n), 0, w_dtype),
+                filled(operands, (num_groups, k, n), 0, w_up_GKN.dtype))
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+    nt = (((1,), (1,)), ((), ()))
+    tn = (((0,), (0,)), ((), ()))
+
+    def step(carry, item):
+        dx_MK, dwg_GKN, dwu_GKN, accg_KN, accu_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def compute():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            dh_BN = jnp.where(keep_B1, lax.dynamic_slice_in_dim(dh_MN, start, block_m), 0)
+            wg_KN = lax.dynamic_index_in_dim(w_gate_GKN, group, 0, keepdims=False)
+            wu_KN = lax.dynamic_index_in_dim(w_up_GKN, group, 0, keepdims=False)
+            gate = jnp.dot(x_BK, wg_KN, preferred_element_type=jnp.float32)
+            up = jnp.dot(x_BK, wu_KN, preferred_element_type=jnp.float32)
+            d_gate, d_up = situ_glu_vjp_f32(gate, up, dh_BN.astype(jnp.float32), beta=beta,
+                                            linear_beta=linear_beta)
+            d_gate, d_up = d_gate.astype(dtype), d_up.astype(dtype)
+            dx_BK = (lax.dot_general(d_gate, wg_KN, nt, preferred_element_type=jnp.float32)
+                     + lax.dot_general(d_up, wu_KN, nt, preferred_element_type=jnp.float32))
+            return (dx_BK.astype(dtype),
+                    lax.dot_general(x_BK, d_gate, tn, preferred_element_type=jnp.float32),
+                    lax.dot_general(x_BK, d_up, tn, preferred_element_type=jnp.float32))
+
+        def skip():
+            return (filled(operands, (block_m, k), 0, dtype),
+                    filled(operands, (k, n), 0, jnp.float32),
+                    filled(operands, (k, n), 0, jnp.float32))
+
+        dx_BK, pg_KN, pu_KN = lax.cond(active, compute, skip)
+        old_BK = lax.dynamic_slice_in_dim(dx_MK, start, block_m)
+        dx_MK = lax.dynamic_update_slice_in_dim(dx_MK, jnp.where(keep_B1, dx_BK, old_BK), start, 0)
+        same = group == acc_group
+        accg_KN = jnp.where(same, accg_KN, 0.0) + pg_KN
+        accu_KN = jnp.where(same, accu_KN, 0.0) + pu_KN
+        dwg_GKN = lax.dynamic_update_slice_in_dim(dwg_GKN, accg_KN.astype(w_dtype)[None], group, 0)
+        dwu_GKN = lax.dynamic_update_slice_in_dim(dwu_GKN, accu_KN.astype(w_up_GKN.dtype)[None],
+                                                  group, 0)
+        return (dx_MK, dwg_GKN, dwu_GKN, accg_KN, accu_KN,
+                group + lax.full_like(acc_group, 0)), None
+
+    # dx's zero init leaves an optimization barrier with x (see blocked.py's _blocked)
+    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), x_MK))
+    init = (jnp.broadcast_to(zero, (m, k)),
+            filled(operands, (num_groups, k, n), 0, w_dtype),
+            filled(operands, (num_groups, k, n), 0, w_up_GKN.dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (k, n), 0, jnp.float32),
+            filled(operands, (), -1, jnp.int32))
+    (dx_MK, dwg_GKN, dwu_GKN, _, _, _), _ = lax.scan(step, init, items)
+    return dx_MK, dwg_GKN, dwu_GKN
+
+
+__all__ = ["grouped_situ_glu_vjp", "tgmm"]

@@ -22,9 +22,9 @@ grouped_situ_glu, h = situ_glu(x @ w_gate[g], x @ w_up[g]) (fused forward):
   grouped matmuls (the forward's own FLOPs) in the backward. So the backward
   re-runs the two products with the backend's plain grouped kernel (result in
   x's dtype: in bf16 the derivative sees bf16-rounded pre-activations; on
-  "xla" one blocked scan recomputes both in float32 and applies the
-  derivative per block, blocked.grouped_situ_glu_dgate_up, writing only
-  [d_gate | d_up] in x's dtype; its tgmm reads the two column ranges in place),
+  "xla" the whole backward is one blocked scan, blocked_tgmm.grouped_situ_glu_vjp:
+  gate/up recomputed per item in float32, the derivative, dx and both weight
+  gradients there, no [M, 2N] buffer),
   applies the SiTU-GLU derivative in float32 (situ.situ_glu_vjp_f32), then
   dx_MK  = [d_gate | d_up] @ [w_gate | w_up]^T  one grouped matmul with a
            2N-wide contraction (one f32 accumulation, one rounding; on "xla"
@@ -129,17 +129,11 @@ def _grouped_situ_glu_fwd(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_size
 
 def _grouped_situ_glu_bwd(forwards, impl, beta, linear_beta, residuals, dh_MN):
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
-    if impl == "xla":   # one scan: recompute in f32 + SiTU-GLU derivative per block
-        d_gateup_M2N = blocked.grouped_situ_glu_dgate_up(
+    if impl == "xla":   # one scan: recompute, derivative, dx and dw per item
+        dx_MK, dw_gate_GKN, dw_up_GKN = blocked_tgmm.grouped_situ_glu_vjp(
             x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G, beta=beta, linear_beta=linear_beta)
-        n = w_gate_GKN.shape[2]
-        dx_MK = blocked.grouped_matmul_nt(d_gateup_M2N, (w_gate_GKN, w_up_GKN), group_sizes_G)
-        dw_gate_GKN = blocked_tgmm.tgmm(x_MK, d_gateup_M2N, group_sizes_G,
-                                        out_dtype=w_gate_GKN.dtype, columns=(0, n))
-        dw_up_GKN = blocked_tgmm.tgmm(x_MK, d_gateup_M2N, group_sizes_G,
-                                      out_dtype=w_up_GKN.dtype, columns=(n, 2 * n))
-        return (like_primal(dx_MK.astype(x_MK.dtype), x_MK),
-                like_primal(dw_gate_GKN, w_gate_GKN), like_primal(dw_up_GKN, w_up_GKN), None)
+        return (like_primal(dx_MK, x_MK), like_primal(dw_gate_GKN, w_gate_GKN),
+                like_primal(dw_up_GKN, w_up_GKN), None)
     # Recompute the pre-activations with the backend's plain grouped kernel.
     gate_MN = forwards.plain(x_MK, w_gate_GKN, group_sizes_G, impl).astype(jnp.float32)
     up_MN = forwards.plain(x_MK, w_up_GKN, group_sizes_G, impl).astype(jnp.float32)
