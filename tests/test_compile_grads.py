@@ -41,7 +41,8 @@ def test_json_reports_the_training_step(capsys):
     # every weight but the (float32, selection-only) router bias has a gradient
     # of its own shard's size; the outputs are y, dx and those gradients
     assert 0 < grads["gradient_bytes"] < b["weights"]
-    assert b["outputs"] == grads["gradient_bytes"] + 2 * x_shard
+    # (plus the output tuple's table of buffer pointers, 8 bytes per output)
+    assert 0 <= b["outputs"] - (grads["gradient_bytes"] + 2 * x_shard) <= 8 * 32
     assert out["fit"]["needed_bytes"] == sum(b.values())
     assert out["fits_h200"] is True and out["kernels"] == []
     kinds = [c["kind"] for c in out["collectives"]]
@@ -76,7 +77,7 @@ def test_a_layout_that_cannot_train_exits_2_naming_the_flags(argv, words, capsys
 
 def test_the_xla_backward_has_no_dense_expansion():
     """Many local experts (64 per device): ragged_dot's VJP, expanded densely,
-    would hold at least [rows, G*L] per device; the blocked backward stays
+    would hold [T*K rows, G*L] per device; the blocked backward stays
     near the activations."""
     cfg = TINY.replace(num_experts=512, num_experts_per_token=8, routed_expert_hidden_size=256,
                        moe_intermediate_size=256)
@@ -86,6 +87,7 @@ def test_the_xla_backward_has_no_dense_expansion():
     report = compile_layer_grads(cfg, parallel, 1, tokens=tokens, backend="xla",
                                  expert_dtype="bfloat16")
     local_experts = cfg.num_experts // 8
-    rows = tokens * cfg.num_experts_per_token // 8             # the average per device
+    # SP + EP: every device sorts all T * K gathered pairs (its experts' first)
+    rows = tokens * cfg.num_experts_per_token
     dense = rows * local_experts * cfg.routed_expert_hidden_size * 2
-    assert report.per_device_bytes["temporaries"] < dense / 2, (report.per_device_bytes, dense)
+    assert report.per_device_bytes["temporaries"] < dense / 4, (report.per_device_bytes, dense)

@@ -144,7 +144,7 @@ def print_report(report, file=None) -> None:
         console.print(f"training step: weight gradients {format_gb(grads['gradient_bytes'])} of "
                       f"the outputs; frozen: {', '.join(grads['frozen']) or 'none'}"
                       + (f"; x-gradient of the frozen MXFP4 experts: {grads['x_gradient']}"
-                         if grads["x_gradient"] else ""), highlight=False)
+                         if grads["x_gradient"] else ""), highlight=False, markup=False)
     console.print(f"weights {same} planner; fits one H200: {d['fits_h200']}; "
                   f"XLA cost analysis: {d['flops']:.3e} FLOPs, {d['bytes_accessed']:.3e} bytes "
                   f"accessed", highlight=False)
