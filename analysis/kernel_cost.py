@@ -105,8 +105,8 @@ def _tile_order(num_items: int, num_n_blocks: int, grid_block_n: int) -> np.ndar
 
 @functools.lru_cache(maxsize=256)
 def _static_schedule(sizes: tuple[int, ...], num_rows: int, block_m: int) -> np.ndarray:
-    """The kernel's table for concrete sizes (mosaic_sm90.schedule), once per shape."""
-    return np.asarray(mosaic_sm90.schedule(np.asarray(sizes, np.int32), num_rows, block_m))
+    """The kernel's table for concrete sizes (schedule.schedule), once per shape."""
+    return np.asarray(schedule.schedule(np.asarray(sizes, np.int32), num_rows, block_m))
 
 
 # The kernel's schedule function, compiled once per (num_rows, block_m).

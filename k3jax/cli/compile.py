@@ -42,6 +42,12 @@ def add_parser(sub) -> None:
                    help=f"layer index: 0 is the dense layer, 1 and up MoE (default {DEFAULT_LAYER})")
     p.add_argument("--backend", choices=("xla", "pallas"), default="xla",
                    help="xla (default) or pallas (the Mosaic GPU kernels, compiled through ptxas)")
+    p.add_argument("--grads", action="store_true",
+                   help="compile the layer's training step instead: the forward and its VJP for "
+                        "a cotangent of the output (what k3jax run --grads runs); fits_h200 then "
+                        "means this layer's weights, gradients, activations and temporaries. "
+                        "MXFP4 routed experts kept packed are frozen: only x gets their gradient "
+                        "(--expert-dtype bfloat16 trains them)")
     p.set_defaults(main=main)
 
 
@@ -62,7 +68,6 @@ def _print(report, as_json: bool) -> int:
 
 
 def _compile(args: argparse.Namespace):
-    from k3jax.compile import compile_layer
     from k3jax.layout import LayoutError, Mxfp4ShardError
 
     cfg, _ = config_from_args(args)
@@ -74,19 +79,31 @@ def _compile(args: argparse.Namespace):
     if cfg.is_moe_layer(args.layer) and args.expert_dtype not in ("mxfp4", args.dtype):
         raise UsageError(f"--expert-dtype {args.expert_dtype} needs --dtype {args.expert_dtype} "
                          f"(float experts compile in the layer's dtype), or --expert-dtype mxfp4")
+    what = "cannot train" if args.grads else "does not fit"
     try:   # a missing gpu-compile extra: GpuCompileUnavailable, a RuntimeError (exit 1)
-        return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
-                             dtype=args.dtype, expert_dtype=args.expert_dtype)
+        return _compile_one(args, cfg, parallel)
     except Mxfp4ShardError as e:
         raise UsageError(f"{e} (--expert-dtype bfloat16)") from None
     except LayoutError as e:
-        raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
+        raise UsageError(f"{layout_flags(parallel)} {what} this model: {e}") from None
     except ValueError as e:
         if "smem" in str(e).lower() or "shared memory" in str(e).lower():
             raise UsageError(f"{layout_flags(parallel)} --tokens {args.tokens} --backend "
                              f"{args.backend}: a kernel does not fit the H200's shared memory: "
                              f"{str(e).splitlines()[0]}") from None
         raise
+
+
+def _compile_one(args: argparse.Namespace, cfg, parallel):
+    """The forward's CompileReport, or with --grads the training step's."""
+    if args.grads:
+        from k3jax.compile_grads import compile_layer_grads
+        return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
+                                   backend=args.backend, dtype=args.dtype,
+                                   expert_dtype=args.expert_dtype)
+    from k3jax.compile import compile_layer
+    return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
+                         dtype=args.dtype, expert_dtype=args.expert_dtype)
 
 
 def print_report(report, file=None) -> None:
@@ -114,12 +131,19 @@ def print_report(report, file=None) -> None:
     fit = d["fit"]
     table.add_row("all layers' weights (planner)", f"{fit['model_weight_bytes']:,}",
                   format_gb(fit["model_weight_bytes"]))
-    table.add_row("needed: all weights + this layer's activations, outputs, temporaries",
-                  f"{fit['needed_bytes']:,}", format_gb(fit["needed_bytes"]), style="bold")
+    grads = d.get("grads")
+    needed = ("needed: this layer's weights, activations, outputs (gradients), temporaries"
+              if grads else "needed: all weights + this layer's activations, outputs, temporaries")
+    table.add_row(needed, f"{fit['needed_bytes']:,}", format_gb(fit["needed_bytes"]), style="bold")
     table.add_row("H200 device memory", f"{fit['device_memory_bytes']:,}",
                   format_gb(fit["device_memory_bytes"]))
     console.print(table)
     same = "==" if d["per_device_bytes"]["weights"] == d["planner_weight_bytes"] else "!="
+    if grads:
+        console.print(f"training step: weight gradients {format_gb(grads['gradient_bytes'])} of "
+                      f"the outputs; frozen: {', '.join(grads['frozen']) or 'none'}"
+                      + (f"; x-gradient of the frozen MXFP4 experts: {grads['x_gradient']}"
+                         if grads["x_gradient"] else ""), highlight=False, markup=False)
     console.print(f"weights {same} planner; fits one H200: {d['fits_h200']}; "
                   f"XLA cost analysis: {d['flops']:.3e} FLOPs, {d['bytes_accessed']:.3e} bytes "
                   f"accessed", highlight=False)

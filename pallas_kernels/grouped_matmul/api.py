@@ -19,12 +19,12 @@ Triton's in-kernel dequantization on "triton", and the blocked path on "xla"
 of the fused pair is MXFP4).
 
 Differentiable in x and the (float) weights on every backend through
-vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan on the transposed
-weights, dw by reference.tgmm). MXFP4 weights are frozen: x gets its gradient
-(jax's autodiff of the blocked scan), the packed weights get none. On
-"pallas" / "interpret", MXFP4 weights go through mxfp4_vjp.py's custom VJP:
-the kernel forward, x's gradient from jax's VJP of the blocked path.
-"""
+vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan contracting the
+weights' N, dw by blocked_tgmm.py's scan; on "triton" dw by blocked_tgmm too).
+MXFP4 weights are frozen: x gets its gradient, the packed weights get none.
+On "pallas", "interpret" and "xla" they go through mxfp4_vjp.py's custom VJP:
+the backend's forward, x's gradient from an explicit blocked scan of
+dy @ W[g]^T (one active expert dequantized at a time). """
 
 from __future__ import annotations
 
@@ -109,9 +109,8 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
         if impl == "triton":   # in-kernel dequantization (W4A16)
             return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GKN, w_GKN.scale_GKN,
                                                          group_sizes_G)
-        if impl in ("pallas", "interpret"):   # in-kernel dequant + bf16 WGMMA (W4A16)
-            return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl == "interpret")
-        return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+        # pallas / interpret: in-kernel dequant + bf16 WGMMA (W4A16); xla: blocked
+        return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl)
     if impl == "xla":
         return blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     if impl == "triton":
@@ -157,9 +156,9 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
         return triton_kernels().grouped_situ_glu_mxfp4(
             x_MK, w_gate_GKN.packed_GKN, w_gate_GKN.scale_GKN, w_up_GKN.packed_GKN,
             w_up_GKN.scale_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta)
-    if all(packed) and impl in ("pallas", "interpret"):   # in-kernel dequant + bf16 WGMMA
+    if all(packed) and impl in mxfp4_vjp.IMPLS:   # kernel dequant + bf16 WGMMA, or blocked
         return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
-                                          linear_beta, impl == "interpret")
+                                          linear_beta, impl)
     if impl == "xla" or any(packed):
         return blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta)

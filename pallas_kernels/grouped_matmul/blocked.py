@@ -17,6 +17,13 @@ and EP 8). This formulation costs O(block) memory on top of its output:
   group's dequantized [K, N] and decodes anew when the item's group changes
   (items are in group order, so each active group is decoded once).
 
+The same scan runs the backward's transposed products (``grouped_matmul_nt``:
+dx = dy @ w[g]^T, contracting w's N in the dot, so no [G, N, K] copy of the
+weights) and the fused pair's backward rows (``grouped_situ_glu_dgate_up``:
+gate/up recomputed per block in float32 and turned into [d_gate | d_up] in the
+epilogue, so no [M, 2N] float32 pre-activations are ever held);
+blocked_tgmm.py holds the weight gradient.
+
 Numerics are reference.py's: bf16/f32 products accumulated in f32
 (``preferred_element_type``), SiTU in f32, one cast to x's dtype; rows at
 index >= sum(group_sizes) are exact zeros (never written). Rows of other
@@ -33,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.mxfp4 import Mxfp4Weights
-from pallas_kernels.situ import situ_glu
+from pallas_kernels.situ import situ_glu, situ_glu_vjp_f32
 
 Weight = jax.Array | Mxfp4Weights
 MAX_BLOCK_M = 256
@@ -75,32 +82,61 @@ def items_3W(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.Array
     return jnp.stack([group_W, first_W, end_W]).astype(jnp.int32)
 
 
-def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Array,
-             epilogue: Callable[..., jax.Array], n: int) -> jax.Array:
-    """[M, n] in x's dtype: epilogue(x_rows @ w[g] for w in weights) per row's
-    group (f32 products), rows >= sum(group_sizes) exactly 0."""
-    m, _ = x_MK.shape
+def filled(operands: tuple, shape, value, dtype) -> jax.Array:
+    """``value`` in ``shape``, varying over every manual axis any of
+    ``operands`` varies over (inside shard_map, a loop carry and both branches
+    of a cond must agree on them)."""
+    out = lax.full_like(operands[0], value, dtype, shape)
+    for a in operands[1:]:     # + 0 only to take on a's varying axes
+        out = out + lax.full_like(a, 0, dtype, shape)
+    return out
+
+
+def item_block(item, num_rows: int, block_m: int):
+    """(start, keep_B1) of one item: the block's first row (clamped so the
+    block stays inside [0, num_rows)) and the [block_m, 1] mask of its rows."""
+    first, end = item[1], item[2]
+    start = jnp.clip((first // block_m) * block_m, 0, num_rows - block_m)
+    rows_B = start + jnp.arange(block_m, dtype=jnp.int32)
+    return start, ((rows_B >= first) & (rows_B < end))[:, None]
+
+
+def _blocked(x_MP: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Array,
+             epilogue: Callable[..., jax.Array], n: int, *, transposed: bool = False,
+             side_MS: jax.Array | None = None) -> jax.Array:
+    """[M, n] in x's dtype: epilogue(*products) per row's group (f32
+    products), rows >= sum(group_sizes) exactly 0. The products are
+    x_rows @ w[g] for each weight [G, K, N] (P = K), or with ``transposed``
+    x_rows[:, i*N:(i+1)*N] @ w_i[g]^T for each weight (P = len(weights) * N,
+    products [rows, K]). With ``side_MS`` [M, S], the epilogue also gets the
+    block's rows of it as its last argument."""
+    m, _ = x_MP.shape
     num_groups = group_sizes_G.shape[0]
-    out_dtype = x_MK.dtype
+    out_dtype = x_MP.dtype
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     block_m = block_rows(m, num_groups)
     items = items_3W(group_sizes_G, m, block_m).T
     packed = tuple(w for w in weights if isinstance(w, Mxfp4Weights))
-    operands = (x_MK, *jax.tree.leaves(weights), group_sizes_G)
+    operands = (x_MP, *jax.tree.leaves(weights), group_sizes_G,
+                *(() if side_MS is None else (side_MS,)))
+    dequant_dtype = x_MP.dtype
 
     def fill(shape, value=0, dtype=out_dtype):
-        """``value`` varying over the operands' manual axes (inside shard_map,
-        the loop carry and both cond branches must agree on them)."""
-        out = lax.full_like(operands[0], value, dtype, shape)
-        for a in operands[1:]:     # + 0 only to take on a's varying axes
-            out = out + lax.full_like(a, 0, dtype, shape)
-        return out
+        return filled(operands, shape, value, dtype)
 
     def dense_weights(g, cached):
         it = iter(cached)
         return [next(it) if isinstance(w, Mxfp4Weights)
                 else lax.dynamic_index_in_dim(w, g, 0, keepdims=False) for w in weights]
+
+    def products(x_BP, w_KNs):
+        if not transposed:
+            return [jnp.dot(x_BP, w, preferred_element_type=jnp.float32) for w in w_KNs]
+        width = w_KNs[0].shape[1]
+        return [lax.dot_general(x_BP[:, i * width:(i + 1) * width], w, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+                for i, w in enumerate(w_KNs)]
 
     def step(carry, item):
         y_MN, cached_group, cached = carry
@@ -108,20 +144,19 @@ def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
         active = end > first
         if packed:   # dequantize this group's MXFP4 weights when the group changes
             cached = lax.cond(active & (group != cached_group),
-                              lambda: tuple(w.expert(group, out_dtype) for w in packed),
+                              lambda: tuple(w.expert(group, dequant_dtype) for w in packed),
                               lambda: cached)
             cached_group = jnp.where(active, group, cached_group)
-        start = jnp.clip((first // block_m) * block_m, 0, m - block_m)
-        rows_B = start + jnp.arange(block_m, dtype=jnp.int32)
-        keep_B1 = ((rows_B >= first) & (rows_B < end))[:, None]
+        start, keep_B1 = item_block(item, m, block_m)
         # Rows of other items (possibly NaN past sum(group_sizes)) are zeroed, so
         # they reach neither this item's output nor, under autodiff, its weight's
         # gradient (x^T @ dy would give NaN * 0 = NaN).
-        x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+        x_BP = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MP, start, block_m), 0)
 
         def compute():
-            prods = [jnp.dot(x_BK, w, preferred_element_type=jnp.float32)
-                     for w in dense_weights(group, cached)]
+            prods = products(x_BP, dense_weights(group, cached))
+            if side_MS is not None:
+                prods.append(lax.dynamic_slice_in_dim(side_MS, start, block_m))
             return epilogue(*prods).astype(out_dtype)
 
         new_BN = lax.cond(active, compute, lambda: fill((block_m, n)))
@@ -129,11 +164,11 @@ def _blocked(x_MK: jax.Array, weights: tuple[Weight, ...], group_sizes_G: jax.Ar
         y_MN = lax.dynamic_update_slice_in_dim(y_MN, jnp.where(keep_B1, new_BN, old_BN), start, 0)
         return (y_MN, cached_group, cached), None
 
-    init_cached = tuple(fill(w.shape[1:]) for w in packed)
+    init_cached = tuple(fill(w.shape[1:], dtype=dequant_dtype) for w in packed)
     # The [M, N] zero init is built from a scalar that leaves an optimization
     # barrier with x: XLA cannot materialize it before x exists (it hoisted it
     # otherwise, so two grouped matmuls in a row kept three [M, .] buffers live).
-    zero, _ = lax.optimization_barrier((fill(()), x_MK))
+    zero, _ = lax.optimization_barrier((fill(()), x_MP))
     init = (jnp.broadcast_to(zero, (m, n)), fill((), -1, jnp.int32), init_cached)
     (y_MN, _, _), _ = lax.scan(step, init, items)
     return y_MN
@@ -152,3 +187,33 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: Weight, w_up_GKN: Weight,
     def epilogue(gate, up):
         return situ_glu(gate, up, beta=beta, linear_beta=linear_beta)
     return _blocked(x_MK, (w_gate_GKN, w_up_GKN), group_sizes_G, epilogue, w_gate_GKN.shape[2])
+
+
+def grouped_matmul_nt(dy_MP: jax.Array, weights: tuple[Weight, ...],
+                      group_sizes_G: jax.Array) -> jax.Array:
+    """dx_MK = sum_i dy_MP[:, i*N:(i+1)*N] @ w_i[g]^T per row's group, one f32
+    accumulation and one cast to dy's dtype; tail rows 0. weights: [G, K, N]
+    each (float or Mxfp4Weights, dequantized to dy's dtype), P = len * N. The
+    x-gradient of grouped_matmul (one weight) and of the fused pair (two)."""
+    num_groups, k, n = weights[0].shape
+    if dy_MP.shape[1] != len(weights) * n:
+        raise ValueError(f"dy_MP width {dy_MP.shape[1]} != {len(weights)} x N={n}")
+    return _blocked(dy_MP, weights, group_sizes_G, lambda *prods: sum(prods[1:], prods[0]), k,
+                    transposed=True)
+
+
+def grouped_situ_glu_dgate_up(x_MK: jax.Array, w_gate_GKN: Weight, w_up_GKN: Weight,
+                              dh_MN: jax.Array, group_sizes_G: jax.Array, *, beta: float,
+                              linear_beta: float | None) -> jax.Array:
+    """[M, 2N] in x's dtype: [d_gate | d_up], the cotangents of the fused
+    pair's pre-activations for dh_MN [M, N], per block: gate and up
+    recomputed in float32 (x @ w[g], f32 accumulation), the SiTU-GLU
+    derivative applied in float32 (situ_glu_vjp_f32) on dh in float32, one
+    cast. Rows >= sum(group_sizes) are 0 (their dh, possibly NaN, is never
+    selected)."""
+    def epilogue(gate, up, dh_BN):
+        d_gate, d_up = situ_glu_vjp_f32(gate, up, dh_BN.astype(jnp.float32), beta=beta,
+                                        linear_beta=linear_beta)
+        return jnp.concatenate([d_gate, d_up], axis=1)
+    return _blocked(x_MK, (w_gate_GKN, w_up_GKN), group_sizes_G, epilogue,
+                    2 * w_gate_GKN.shape[2], side_MS=dh_MN)

@@ -1,12 +1,25 @@
-"""The MXFP4 kernel's custom VJP: frozen weights, a gradient for x only.
+"""The custom VJP of MXFP4 grouped matmuls: frozen weights, a gradient for x only.
 
-mosaic_sm90_mxfp4's kernel has no autodiff rule. Its forward is wrapped in a
-jax.custom_vjp whose backward is jax's VJP, with respect to x, of the same
-product on the blocked XLA path (blocked.py: each active expert dequantized
-inside a scan), recomputed in the backward: dx = dy @ W[g]^T for
-grouped_matmul, and the SiTU-GLU derivative through both products for
-grouped_situ_glu. The packed weights and group_sizes get no cotangent (None):
-MXFP4 experts are frozen (inference checkpoints), as on every backend.
+The forward is mosaic_sm90_mxfp4's kernel on "pallas" / "interpret" (it has
+no autodiff rule) and blocked.py's scan on "xla" (one active expert
+dequantized at a time). The backward is explicit on every backend, on
+blocked.py's scan, so it never holds a dequantized copy of all local experts
+(and never autodiffs a scan, which crashed XLA:CPU under an 8-device
+shard_map, and whose residuals would stack one dequantized [K, N] weight per
+item):
+
+  grouped_matmul, y = x @ W[g]:
+    dx_MK = blocked.grouped_matmul_nt(dy_MN, (W,))      dy @ W[g]^T, W[g]
+            dequantized inside the scan when the item's group changes
+  grouped_situ_glu, h = situ_glu(x @ W_gate[g], x @ W_up[g]):
+    one scan recomputes gate and up per block in float32 and applies the
+    SiTU-GLU derivative there (blocked.grouped_situ_glu_dgate_up; rows >=
+    sum(group_sizes) never selected, so NaN there never reaches dx), then
+    dx_MK = blocked.grouped_matmul_nt([d_gate | d_up],
+    (W_gate, W_up)) (one f32 accumulation, one rounding to x's dtype).
+
+The packed weights and group_sizes get no cotangent (None): MXFP4 experts are
+frozen (inference checkpoints), as on every backend.
 """
 
 from __future__ import annotations
@@ -19,25 +32,35 @@ from pallas_kernels.grouped_matmul import blocked, mosaic_sm90_mxfp4
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.vma import like_primal, varying_like_inputs
 
+IMPLS = ("pallas", "interpret", "xla")
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"mxfp4_vjp: impl must be one of {IMPLS}, got {impl!r}")
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_matmul(x_MK: jax.Array, w_GKN: Mxfp4Weights, group_sizes_G: jax.Array,
-                   interpret: bool) -> jax.Array:
-    """mosaic_sm90_mxfp4.grouped_matmul_mxfp4, differentiable in x_MK."""
-    y_MN = mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x_MK, w_GKN, group_sizes_G,
-                                                  interpret=interpret)
+                   impl: str) -> jax.Array:
+    """y_MN = x_MK @ W[g] on ``impl`` (IMPLS), differentiable in x_MK."""
+    _check_impl(impl)
+    if impl == "xla":
+        y_MN = blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
+    else:
+        y_MN = mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x_MK, w_GKN, group_sizes_G,
+                                                      interpret=impl == "interpret")
     return varying_like_inputs(y_MN, x_MK, *jax.tree.leaves(w_GKN), group_sizes_G)
 
 
-def _plain_fwd(x_MK, w_GKN, group_sizes_G, interpret):
-    return grouped_matmul(x_MK, w_GKN, group_sizes_G, interpret), (x_MK, w_GKN, group_sizes_G)
+def _plain_fwd(x_MK, w_GKN, group_sizes_G, impl):
+    return grouped_matmul(x_MK, w_GKN, group_sizes_G, impl), (x_MK, w_GKN, group_sizes_G)
 
 
-def _plain_bwd(interpret, residuals, dy_MN):
-    del interpret
+def _plain_bwd(impl, residuals, dy_MN):
+    del impl
     x_MK, w_GKN, group_sizes_G = residuals
-    _, pullback = jax.vjp(lambda x: blocked.grouped_matmul(x, w_GKN, group_sizes_G), x_MK)
-    (dx_MK,) = pullback(dy_MN.astype(x_MK.dtype))
+    dx_MK = blocked.grouped_matmul_nt(dy_MN.astype(x_MK.dtype), (w_GKN,), group_sizes_G)
     return like_primal(dx_MK.astype(x_MK.dtype), x_MK), None, None
 
 
@@ -47,28 +70,31 @@ grouped_matmul.defvjp(_plain_fwd, _plain_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: Mxfp4Weights, w_up_GKN: Mxfp4Weights,
                      group_sizes_G: jax.Array, beta: float, linear_beta: float | None,
-                     interpret: bool) -> jax.Array:
-    """mosaic_sm90_mxfp4.grouped_situ_glu_mxfp4, differentiable in x_MK."""
-    h_MN = mosaic_sm90_mxfp4.grouped_situ_glu_mxfp4(
-        x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta,
-        interpret=interpret)
+                     impl: str) -> jax.Array:
+    """h_MN = situ_glu(x @ W_gate[g], x @ W_up[g]) on ``impl``, differentiable in x_MK."""
+    _check_impl(impl)
+    if impl == "xla":
+        h_MN = blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta,
+                                        linear_beta=linear_beta)
+    else:
+        h_MN = mosaic_sm90_mxfp4.grouped_situ_glu_mxfp4(
+            x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta,
+            interpret=impl == "interpret")
     return varying_like_inputs(h_MN, x_MK, *jax.tree.leaves((w_gate_GKN, w_up_GKN)),
                                group_sizes_G)
 
 
-def _fused_fwd(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, interpret):
-    h_MN = grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta,
-                            interpret)
+def _fused_fwd(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, impl):
+    h_MN = grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, linear_beta, impl)
     return h_MN, (x_MK, w_gate_GKN, w_up_GKN, group_sizes_G)
 
 
-def _fused_bwd(beta, linear_beta, interpret, residuals, dh_MN):
-    del interpret
+def _fused_bwd(beta, linear_beta, impl, residuals, dh_MN):
+    del impl
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
-    _, pullback = jax.vjp(
-        lambda x: blocked.grouped_situ_glu(x, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta,
-                                           linear_beta=linear_beta), x_MK)
-    (dx_MK,) = pullback(dh_MN.astype(x_MK.dtype))
+    d_gateup_M2N = blocked.grouped_situ_glu_dgate_up(
+        x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+    dx_MK = blocked.grouped_matmul_nt(d_gateup_M2N, (w_gate_GKN, w_up_GKN), group_sizes_G)
     return like_primal(dx_MK.astype(x_MK.dtype), x_MK), None, None, None
 
 

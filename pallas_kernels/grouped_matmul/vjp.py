@@ -9,7 +9,8 @@ grouped_matmul, y = x @ w[g] (rows of group g; rows >= sum(sizes) are 0):
   dx_MK  = grouped_matmul(dy_MN, w_GKN^T)   the backend's forward kernel on a
            [G, N, K] copy of the weights transposed in XLA (one extra read and
            write of w per backward: the forward kernels stream N-major
-           weights only)
+           weights only); on "xla" the blocked scan contracting w's N in
+           its dot instead (blocked.grouped_matmul_nt: no copy)
   dw_GKN = tgmm(x_MK, dy_MN)                per group x_g^T @ dy_g
   group_sizes gets no cotangent (None).
 
@@ -20,10 +21,14 @@ grouped_situ_glu, h = situ_glu(x @ w_gate[g], x @ w_up[g]) (fused forward):
   N = 3072) held from the forward to the backward, where recomputing costs two
   grouped matmuls (the forward's own FLOPs) in the backward. So the backward
   re-runs the two products with the backend's plain grouped kernel (result in
-  x's dtype: in bf16 the derivative sees bf16-rounded pre-activations),
+  x's dtype: in bf16 the derivative sees bf16-rounded pre-activations; on
+  "xla" the whole backward is one blocked scan, blocked_tgmm.grouped_situ_glu_vjp:
+  gate/up recomputed per item in float32, the derivative, dx and both weight
+  gradients there, no [M, 2N] buffer),
   applies the SiTU-GLU derivative in float32 (situ.situ_glu_vjp_f32), then
   dx_MK  = [d_gate | d_up] @ [w_gate | w_up]^T  one grouped matmul with a
-           2N-wide contraction (one f32 accumulation, one rounding)
+           2N-wide contraction (one f32 accumulation, one rounding; on "xla"
+           blocked.grouped_matmul_nt on both weights, uncopied)
   dw_gate = tgmm(x, d_gate), dw_up = tgmm(x, d_up).
   The cotangent of rows >= sum(sizes) (constant zero outputs) is dropped by a
   select, so NaN there never reaches a gradient.
@@ -32,8 +37,11 @@ Inside shard_map each output is typed varying like its inputs and each
 cotangent gets its primal's varying axes
 (pallas_kernels.vma.like_primal).
 
-tgmm: mosaic_sm90_tgmm.tgmm on "pallas" / "interpret"; reference.tgmm
-(ragged_dot_general) on "xla" and on any backend without a tgmm kernel.
+tgmm: mosaic_sm90_tgmm.tgmm on "pallas" / "interpret"; blocked_tgmm.tgmm
+(a scan over (group, row block) items, O(block) memory besides its output) on
+"xla", "triton" and any backend without a tgmm kernel. Every backward is
+explicit (no autodiff of a forward scan: that crashed XLA:CPU under an
+8-device shard_map), and nothing in it is of size [M, G, ...].
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import mosaic_sm90_tgmm, reference
+from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, mosaic_sm90_tgmm, reference
 from pallas_kernels.situ import situ_glu_vjp_f32
 from pallas_kernels.vma import like_primal, varying_like_inputs
 
@@ -66,7 +74,7 @@ def tgmm(x_MK: jax.Array, dy_MN: jax.Array, group_sizes_G: jax.Array, impl: str,
     if impl in ("pallas", "interpret"):
         return mosaic_sm90_tgmm.tgmm(x_MK, dy_MN, group_sizes_G, out_dtype=out_dtype,
                                      interpret=impl == "interpret")
-    return reference.tgmm(x_MK, dy_MN, group_sizes_G, out_dtype=out_dtype)
+    return blocked_tgmm.tgmm(x_MK, dy_MN, group_sizes_G, out_dtype=out_dtype)
 
 
 def _transposed_GNK(w_GKN: jax.Array) -> jax.Array:
@@ -88,22 +96,13 @@ def _grouped_matmul_fwd(forwards, impl, x_MK, w_GKN, group_sizes_G):
     return y_MN, (x_MK, w_GKN, group_sizes_G)
 
 
-def _reference_vjp(fn, primals, cotangent):
-    """The "xla" backward: jax's VJP of the ragged_dot reference (f32
-    accumulation and f32 pre-activations throughout), each cotangent typed
-    like its primal. (The forward is the blocked scan; its own autodiff
-    crashed XLA:CPU under an 8-device shard_map.)"""
-    _, pullback = jax.vjp(fn, *primals)
-    return tuple(like_primal(d, p) for d, p in zip(pullback(cotangent), primals))
-
-
 def _grouped_matmul_bwd(forwards, impl, residuals, dy_MN):
     x_MK, w_GKN, group_sizes_G = residuals
-    if impl == "xla":
-        return (*_reference_vjp(lambda x, w: reference.grouped_matmul(x, w, group_sizes_G),
-                                (x_MK, w_GKN), dy_MN), None)
     dy_MN = dy_MN.astype(x_MK.dtype)
-    dx_MK = forwards.plain(dy_MN, _transposed_GNK(w_GKN), group_sizes_G, impl)
+    if impl == "xla":
+        dx_MK = blocked.grouped_matmul_nt(dy_MN, (w_GKN,), group_sizes_G)
+    else:
+        dx_MK = forwards.plain(dy_MN, _transposed_GNK(w_GKN), group_sizes_G, impl)
     dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, impl, w_GKN.dtype)
     return like_primal(dx_MK.astype(x_MK.dtype), x_MK), like_primal(dw_GKN, w_GKN), None
 
@@ -130,11 +129,11 @@ def _grouped_situ_glu_fwd(forwards, impl, x_MK, w_gate_GKN, w_up_GKN, group_size
 
 def _grouped_situ_glu_bwd(forwards, impl, beta, linear_beta, residuals, dh_MN):
     x_MK, w_gate_GKN, w_up_GKN, group_sizes_G = residuals
-    if impl == "xla":
-        return (*_reference_vjp(
-            lambda x, wg, wu: reference.grouped_situ_glu(x, wg, wu, group_sizes_G, beta=beta,
-                                                         linear_beta=linear_beta),
-            (x_MK, w_gate_GKN, w_up_GKN), dh_MN), None)
+    if impl == "xla":   # one scan: recompute, derivative, dx and dw per item
+        dx_MK, dw_gate_GKN, dw_up_GKN = blocked_tgmm.grouped_situ_glu_vjp(
+            x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+        return (like_primal(dx_MK, x_MK), like_primal(dw_gate_GKN, w_gate_GKN),
+                like_primal(dw_up_GKN, w_up_GKN), None)
     # Recompute the pre-activations with the backend's plain grouped kernel.
     gate_MN = forwards.plain(x_MK, w_gate_GKN, group_sizes_G, impl).astype(jnp.float32)
     up_MN = forwards.plain(x_MK, w_up_GKN, group_sizes_G, impl).astype(jnp.float32)

@@ -116,7 +116,7 @@ def _check_schedule(sizes, m: int, block: int) -> None:
     ends = np.minimum(np.cumsum(sizes), m)
     group_of_row = np.searchsorted(ends, np.arange(m), side="right")
     seen = np.zeros(m, np.int32)
-    x_rows = mosaic_sm90.x_rows(m, block)
+    x_rows = schedule.x_rows(m, block)
     for group, x_row0, offset, count in meta.T:
         if count == 0:
             continue

@@ -1,0 +1,162 @@
+"""Blocked transposed grouped matmul (tgmm) in plain XLA: the weight gradient
+of grouped_matmul on the "xla" and "triton" backends.
+
+    dw_GKN[g] = x_MK[rows of g]^T @ dy_MN[rows of g]
+
+``reference.tgmm`` (``jax.lax.ragged_dot_general``) is exact but XLA expands it
+densely ([M, G*K]). This costs O(block) memory on top of its [G, K, N] output:
+the rows are cut into blocked.py's items (the non-empty intersections of one
+group's rows with one ``block_m``-row block, in row order, so each group's
+items are consecutive), and a ``lax.scan`` over them
+
+* slices the item's row block of x and dy, zeroing the rows outside the item
+  (both operands: rows of other groups, and rows past sum(group_sizes) that
+  may hold NaN, contribute exact zeros and never NaN * 0);
+* adds x_BK^T @ dy_BN (f32 products) to a float32 [K, N] accumulator that
+  restarts at zero when the item's group changes;
+* writes the accumulator, cast to out_dtype, into row g of the carried
+  gradient (``dynamic_update_slice``): the last item of a group leaves that
+  group's full sum there, rounded once.
+
+Groups without rows stay exact zeros; empty items skip the product
+(``lax.cond``). Nothing of size [M, G, ...] is allocated.
+
+``grouped_situ_glu_vjp`` is the fused pair's whole backward on "xla" in one
+such scan (recompute, SiTU-GLU derivative, dx and both weight gradients per
+item), so no [M, 2N] cotangent of the pre-activations is ever materialized.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.grouped_matmul.blocked import block_rows, filled, item_block, items_3W
+from pallas_kernels.situ import situ_glu_vjp_f32
+
+
+def tgmm(x_MK: jax.Array, dy_MP: jax.Array, group_sizes_G: jax.Array, *,
+         out_dtype=None, columns: tuple[int, int] | None = None) -> jax.Array:
+    """dw_GKN [G, K, N] in out_dtype (default x's): per group x_g^T @ dy_g,
+    accumulated in f32; rows >= sum(group_sizes) ignored (NaN there never
+    leaks); groups without rows are 0. dy is dy_MP[:, c0:c1] for
+    ``columns`` (c0, c1) (read per block: no copy of the column range),
+    else all of dy_MP (N = P)."""
+    m, k = x_MK.shape
+    if dy_MP.shape[0] != m:
+        raise ValueError(f"dy_MN rows {dy_MP.shape[0]} != x_MK rows {m}")
+    c0, c1 = columns if columns is not None else (0, dy_MP.shape[1])
+    if not 0 <= c0 <= c1 <= dy_MP.shape[1]:
+        raise ValueError(f"columns {columns} out of range for dy width {dy_MP.shape[1]}")
+    n = c1 - c0
+    dy_MN = dy_MP
+    num_groups = group_sizes_G.shape[0]
+    out_dtype = out_dtype or x_MK.dtype
+    operands = (x_MK, dy_MN, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return filled(operands, (num_groups, k, n), 0, out_dtype)
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+
+    def step(carry, item):
+        dw_GKN, acc_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def product():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            dy_BN = lax.dynamic_slice(dy_MN, (start, c0), (block_m, n))
+            dy_BN = jnp.where(keep_B1, dy_BN, 0)
+            return lax.dot_general(x_BK, dy_BN, (((0,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+        prod_KN = lax.cond(active, product, lambda: filled(operands, (k, n), 0, jnp.float32))
+        acc_KN = jnp.where(group == acc_group, acc_KN, 0.0) + prod_KN
+        # An empty trailing item (group clamped to G - 1, product 0) rewrites
+        # group G - 1's sum, or zero when G - 1 has no rows: both exact.
+        dw_GKN = lax.dynamic_update_slice_in_dim(dw_GKN, acc_KN.astype(out_dtype)[None], group, 0)
+        return (dw_GKN, acc_KN, group + lax.full_like(acc_group, 0)), None
+
+    init = (filled(operands, (num_groups, k, n), 0, out_dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (), -1, jnp.int32))
+    (dw_GKN, _, _), _ = lax.scan(step, init, items)
+    return dw_GKN
+
+
+
+
+def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array,
+                         dh_MN: jax.Array, group_sizes_G: jax.Array, *, beta: float,
+                         linear_beta: float | None):
+    """(dx_MK, dw_gate_GKN, dw_up_GKN) of the fused pair for dh_MN [M, N], in
+    one scan over the items, holding nothing of size [M, N] or more besides
+    dx: per item, gate and up recomputed in float32 (x_B @ w[g]), the SiTU-GLU
+    derivative in float32 (situ_glu_vjp_f32), d_gate / d_up rounded once to
+    x's dtype, then dx_B = d_gate @ w_gate[g]^T + d_up @ w_up[g]^T (one f32
+    sum, one cast) written into the item's rows, and x_B^T @ d_gate,
+    x_B^T @ d_up added to the group's f32 accumulators (as ``tgmm``). Rows of
+    other items and rows >= sum(group_sizes) are zeroed in x and dh first, so
+    NaN there never leaks; dx there is exactly 0. Float weights only."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_gate_GKN.shape
+    dtype, w_dtype = x_MK.dtype, w_gate_GKN.dtype
+    operands = (x_MK, w_gate_GKN, w_up_GKN, dh_MN, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return (filled(operands, (m, k), 0, dtype), filled(operands, (num_groups, k, n), 0, w_dtype),
+                filled(operands, (num_groups, k, n), 0, w_up_GKN.dtype))
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+    nt = (((1,), (1,)), ((), ()))
+    tn = (((0,), (0,)), ((), ()))
+
+    def step(carry, item):
+        dx_MK, dwg_GKN, dwu_GKN, accg_KN, accu_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def compute():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            dh_BN = jnp.where(keep_B1, lax.dynamic_slice_in_dim(dh_MN, start, block_m), 0)
+            wg_KN = lax.dynamic_index_in_dim(w_gate_GKN, group, 0, keepdims=False)
+            wu_KN = lax.dynamic_index_in_dim(w_up_GKN, group, 0, keepdims=False)
+            gate = jnp.dot(x_BK, wg_KN, preferred_element_type=jnp.float32)
+            up = jnp.dot(x_BK, wu_KN, preferred_element_type=jnp.float32)
+            d_gate, d_up = situ_glu_vjp_f32(gate, up, dh_BN.astype(jnp.float32), beta=beta,
+                                            linear_beta=linear_beta)
+            d_gate, d_up = d_gate.astype(dtype), d_up.astype(dtype)
+            dx_BK = (lax.dot_general(d_gate, wg_KN, nt, preferred_element_type=jnp.float32)
+                     + lax.dot_general(d_up, wu_KN, nt, preferred_element_type=jnp.float32))
+            return (dx_BK.astype(dtype),
+                    lax.dot_general(x_BK, d_gate, tn, preferred_element_type=jnp.float32),
+                    lax.dot_general(x_BK, d_up, tn, preferred_element_type=jnp.float32))
+
+        def skip():
+            return (filled(operands, (block_m, k), 0, dtype),
+                    filled(operands, (k, n), 0, jnp.float32),
+                    filled(operands, (k, n), 0, jnp.float32))
+
+        dx_BK, pg_KN, pu_KN = lax.cond(active, compute, skip)
+        old_BK = lax.dynamic_slice_in_dim(dx_MK, start, block_m)
+        dx_MK = lax.dynamic_update_slice_in_dim(dx_MK, jnp.where(keep_B1, dx_BK, old_BK), start, 0)
+        same = group == acc_group
+        accg_KN = jnp.where(same, accg_KN, 0.0) + pg_KN
+        accu_KN = jnp.where(same, accu_KN, 0.0) + pu_KN
+        dwg_GKN = lax.dynamic_update_slice_in_dim(dwg_GKN, accg_KN.astype(w_dtype)[None], group, 0)
+        dwu_GKN = lax.dynamic_update_slice_in_dim(dwu_GKN, accu_KN.astype(w_up_GKN.dtype)[None],
+                                                  group, 0)
+        return (dx_MK, dwg_GKN, dwu_GKN, accg_KN, accu_KN,
+                group + lax.full_like(acc_group, 0)), None
+
+    # dx's zero init leaves an optimization barrier with x (see blocked.py's _blocked)
+    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), x_MK))
+    init = (jnp.broadcast_to(zero, (m, k)),
+            filled(operands, (num_groups, k, n), 0, w_dtype),
+            filled(operands, (num_groups, k, n), 0, w_up_GKN.dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (k, n), 0, jnp.float32),
+            filled(operands, (), -1, jnp.int32))
+    (dx_MK, dwg_GKN, dwu_GKN, _, _, _), _ = lax.scan(step, init, items)
+    return dx_MK, dwg_GKN, dwu_GKN
+
+
+__all__ = ["grouped_situ_glu_vjp", "tgmm"]
