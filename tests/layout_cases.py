@@ -1,4 +1,4 @@
-"""The parallel layouts under test (issue 3) and cached, jitted modules for them.
+"""The parallel layouts under test and cached, jitted modules for them.
 
 Shared by test_layouts_numerics, test_collectives, test_param_bytes and
 test_sequence_parallel (one pytest process, so a layout's module is built
@@ -48,7 +48,7 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "sp_ep_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
                                           shard_shared_expert=True),
     "ep_dp8": ParallelConfig(dp=8, expert_parallel=True),
-    # EP over plain TP (issue 14): rows replicated over TENSOR, experts over every device.
+    # EP over plain TP: rows replicated over TENSOR, experts over every device.
     "ep_tp8": ParallelConfig(tp=8, expert_parallel=True),
     "ep_dp2_tp4": ParallelConfig(dp=2, tp=4, expert_parallel=True),
 }
@@ -58,7 +58,7 @@ EXTRA_LAYOUTS: dict[str, ParallelConfig] = {
     "ep_dp8_pad_under_ep": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),
 }
 # The SP-sharded layouts above use the default SharedOverlap.RING; these are
-# the same layouts with the unoverlapped all-gather + reduce-scatter (issue 14).
+# the same layouts with the unoverlapped all-gather + reduce-scatter.
 UNOVERLAPPED = {f"{name}_none": dataclasses.replace(LAYOUTS[name], shared_overlap=SharedOverlap.NONE)
                 for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
                              "sp_ep_dp2_tp4_shard")}

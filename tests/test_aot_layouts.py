@@ -16,14 +16,12 @@ Checked here:
   routed-expert GEMMs scheduled between start and done. Where it is false:
   under plain TP the shared expert has no collective of its own; an
   SP-sharded one with dp > 1 is not claimed (XLA overlaps its all-gather at
-  some token counts only; measured 2026-12-01: no routed GEMM under it at
-  256 tokens, nor with EP at 8192).
+  some token counts only: the compiled schedule has no routed GEMM under it
+  at 256 tokens, nor with EP at 8192).
 
 Fit (``fits_h200``) is recorded, not asserted per layout: on 8 GPUs K3's MXFP4
 experts alone exceed an H200 (k3jax plan). Each layer compiles once per
-process (module-level cache): 7-33 s each on the shared 2-core machine.
-Measured 2026-12-01: test_aot_hlo_schedule, test_compile_cli,
-test_aot_kernels and this file together, 170 tests, 12 min 18 s (load 4-5).
+process (module-level cache).
 """
 
 from __future__ import annotations
@@ -97,7 +95,7 @@ def test_compiled_bytes_are_the_planners(name, layer, backend, tokens):
     assert r.fits_h200 is False
     assert r.flops > 0 and r.bytes_accessed > 0
     assert (len(r.kernels) > 0) is (backend == "pallas")
-    for k in r.kernels:   # issue 12: every kernel of the layer compiles without spills
+    for k in r.kernels:   # every kernel of the layer compiles without spills
         assert k.registers <= 255 and 0 < k.smem_bytes <= 232_448 and k.spill_bytes == 0, k
     # tokamax.ragged_dot, the peer, compiled for each of our grouped launches' shapes
     assert (len(r.peer_kernels) > 0) is (backend == "pallas")
@@ -128,7 +126,7 @@ def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
             assert layout.parallel.dp > 1
         return
     if layout.shared_mlp.overlap is SharedOverlap.RING:
-        # the ring (issue 14): 2 (tp - 1) block transfers over the tensor axis, each
+        # the ring: 2 (tp - 1) block transfers over the tensor axis, each
         # asynchronous with work under it. In the full-size MoE layer XLA puts routed-expert
         # weight transposes rather than a matmul under a few of them (3 of 12 in
         # sp_ep_tp8_shard at 256 tokens); tests/test_overlap.py checks a matmul under every

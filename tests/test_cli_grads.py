@@ -1,4 +1,4 @@
-"""``k3jax run --cotangent DY.npy --grads OUT.safetensors`` (issue 16): the
+"""``k3jax run --cotangent DY.npy --grads OUT.safetensors``: the
 gradients a run writes, against float64 torch autograd through the reference
 layer loaded from the same checkpoint; frozen tensors left out; usage errors.
 (The two-process run is in tests/test_multiprocess.py.) Measured: 60 s wall

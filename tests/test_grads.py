@@ -1,4 +1,4 @@
-"""Gradients of a layer in every layout (issue 16), 8 simulated devices.
+"""Gradients of a layer in every layout, 8 simulated devices.
 
 For the dense layer 0 and the MoE layer 1 of TINY, built from RandomSource(SEED)
 (the same logical weights in every layout), ``k3jax.grads.layer_grads`` gives

@@ -66,7 +66,7 @@ def test_gate_on_sp_tp8_shards_over_the_tensor_axis():
     assert gate.weight_axes == (TENSOR,)
     assert gate.param_specs == {"gate_DF": P(None, (TENSOR,)), "up_DF": P(None, (TENSOR,)),
                                 "down_FD": P((TENSOR,), None)}
-    assert gate.overlap is SharedOverlap.RING                    # the default (issue 14)
+    assert gate.overlap is SharedOverlap.RING                    # the default
     assert gate.collectives == ("collective-permute",) * 14
     unoverlapped = mlp_layout(sp(8, True, shared_overlap=SharedOverlap.NONE), H, SHARED_I)
     assert unoverlapped.collectives == ("all-gather", "reduce-scatter")

@@ -1,4 +1,4 @@
-"""Every parallel layout (issue 3) against the single-device result, on 8
+"""Every parallel layout against the single-device result, on 8
 simulated devices: the dense layer-0 KimiMLP and the layer-1 KimiMoE, built
 from RandomSource(SEED) (the same logical weights in every layout).
 

@@ -127,7 +127,7 @@ def test_01_shared_expert_sequence_parallel(executed):
         assert row["total_ep_sharded"] < row["total_ep_replicated"]
     assert s["hlo_collectives"] == {"replicated": {}, "sharded": {"all-gather": 1, "reduce-scatter": 1},
                                     "ring": {"collective-permute": 14}}
-    # the latency model (issue 14): FLOPs as compiled; ring beats the unoverlapped form at 8192 tokens
+    # the latency model: FLOPs as compiled; ring beats the unoverlapped form at 8192 tokens
     assert all(1.0 <= r < 1.001 for r in s["model_flops_ratio"].values())
     assert s["model_tokens"][-1] == 8192
     for tp in ("tp4", "tp8"):

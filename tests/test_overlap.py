@@ -1,4 +1,4 @@
-"""The overlapped SP-sharded MLP (SharedOverlap.RING, issue 14).
+"""The overlapped SP-sharded MLP (SharedOverlap.RING).
 
 - k3jax.collective_matmul on fresh random arrays against a float64 numpy
   reference (8 simulated devices);
@@ -200,7 +200,7 @@ def test_h200_ring_moves_the_bytes_of_the_all_gather_and_reduce_scatter():
 
 
 def test_h200_unoverlapped_dense_layer_runs_its_collectives_synchronously():
-    """Why RING is the default (issue 14): left to XLA, the dense layer's
+    """Why RING is the default: left to XLA, the dense layer's
     all-gather and reduce-scatter have nothing scheduled under them."""
     none = h200_schedule(SharedOverlap.NONE, 0, 256)
     assert sorted(c.kind for c in none) == ["all-gather", "reduce-scatter"]

@@ -8,7 +8,7 @@ worst-case errors of the PTX instructions the bf16 kernel runs, against float64.
 
 Error bounds (PTX ISA 9.1, "Floating Point Instructions": the FP32
 transcendentals' table and rcp; checked against a copy of that table in the
-public code index, 2026-12-01):
+public code index):
   tanh.approx.f32      max relative error 2^-11 (the test uses 2^-10.987,
                        the f16 variant's absolute bound: slightly looser)
   ex2.approx.ftz.f32   max error 2 ulp (relative 2^-22), subnormal results -> 0
