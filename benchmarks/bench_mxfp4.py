@@ -19,7 +19,7 @@ parameter) and bf16 bytes otherwise; "pct_copy" is against the copy ceiling.
 Each row also carries the cost model's prediction for the MXFP4 kernel
 ("model": analysis.kernel_cost.grouped_cost(..., mxfp4=True)).
 No library peer: tokamax 0.0.17's quantized ragged_dot does not compile MXFP4
-(E2M1, 32-wide E8M0 scales) for sm_90a (ENVIRONMENT.md, BENCHMARKS.md).
+(E2M1, 32-wide E8M0 scales) for sm_90a (docs/kernels.md, BENCHMARKS.md).
 """
 
 from __future__ import annotations

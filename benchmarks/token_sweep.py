@@ -1,6 +1,6 @@
 """The token sweep: the shared expert under sequence parallelism, replicated
 vs sharded, and the whole MoE layer (SP + EP) with either shared-expert
-layout, over global token counts (SPEC 6: 8 ... 2048).
+layout, over global token counts (docs/spec.md §6: 8 ... 2048).
 
 Method: each (benchmark, layout, T) is one jitted forward of the real module
 on a (1, N) mesh. After ``warmup`` calls (the first compiles), ``repeats``

@@ -1,4 +1,4 @@
-"""K3Config: the numbers that define one Kimi K3 MoE block (SPEC section 1).
+"""K3Config: the numbers that define one Kimi K3 MoE block (docs/spec.md §1).
 
 A frozen dataclass whose field names are the HF ``config.json`` keys of the
 ``kimi_linear`` model type, so a config file maps onto it one to one.
@@ -142,7 +142,7 @@ def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
     form nested under ``text_config``. Unknown keys are ignored; absent keys
     take the K3 defaults (``min_moe_intermediate_per_partition`` is absent in
     K3's own file), except ``activation_situ_linear_beta``: absent means unset
-    (None, ``up' = up``, SPEC 2), as it does for the HF model; K3's file sets
+    (None, ``up' = up``, docs/spec.md §2), as it does for the HF model; K3's file sets
     it to 25.0, and the ``K3`` preset keeps 25.0."""
     if isinstance(source, Mapping):
         raw = dict(source)

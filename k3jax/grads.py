@@ -23,7 +23,7 @@ to the input and the other weights only. ``LayerGrads.frozen`` names every
 parameter left out, and :func:`trainable` is the nnx filter that decides.
 
 ``checkpoint_tensors`` turns gradients (or weights) into the checkpoint's
-tensors (SPEC 3 names, [out, in], one per expert, MoE padding removed).
+tensors (docs/spec.md §3 names, [out, in], one per expert, MoE padding removed).
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def module_decls(module: KimiMLP | KimiMoE) -> dict[str, ParamDecl]:
 def checkpoint_tensors(module: KimiMLP | KimiMoE, layer: int,
                        arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """{param path: whole array in the parameter's shape} (gradients, or
-    weights) -> {checkpoint tensor name (SPEC 3): array}: [out, in] as stored,
-    one tensor per routed expert, the MoE intermediate padding (SPEC 5)
+    weights) -> {checkpoint tensor name (docs/spec.md §3): array}: [out, in] as stored,
+    one tensor per routed expert, the MoE intermediate padding (docs/spec.md §5)
     removed. Names carry ``model.layers.{layer}.`` and no ``language_model.``."""
     is_moe = isinstance(module, KimiMoE)
     prefix, refs = layer_prefix(layer, is_moe), layer_tensors(is_moe)

@@ -1,5 +1,5 @@
 """Every decision about one K3 layer, made once: the shared-expert gate, the
-padding rule (SPEC 4 and 5), the kernel backend, the routed experts' storage
+padding rule (docs/spec.md §4 and §5), the kernel backend, the routed experts' storage
 and the dtype, in one ``Layout`` that the modules, the planner, ``compile``,
 the loader and the gradients read. None of them re-derives any of it.
 
@@ -104,7 +104,7 @@ class ExpertStorage(enum.Enum):
 
 
 # --------------------------------------------------------------------------
-# The gate (SPEC section 4) and the padding rule (SPEC section 5)
+# The gate (docs/spec.md §4) and the padding rule (docs/spec.md §5)
 # --------------------------------------------------------------------------
 class MlpMode(enum.Enum):
     REPLICATED = "replicated"
@@ -169,7 +169,7 @@ class MlpLayout:
 def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpLayout:
     """THE gate: the layout (and so the weights' mesh axes) of an MLP.
 
-    Under sequence parallelism (SPEC 4):
+    Under sequence parallelism (docs/spec.md §4):
         shard = enabled and tp > 1 and intermediate % tp == 0 and hidden % tp == 0
     and the MLP stays replicated otherwise. Without SP and with tp > 1 the MLP is
     plain tensor-parallel (this needs intermediate % tp == 0). Serves the shared
@@ -200,7 +200,7 @@ def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpL
 
 
 def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: int) -> int:
-    """SPEC 5: the routed-expert intermediate after padding, for ``shards``
+    """docs/spec.md §5: the routed-expert intermediate after padding, for ``shards``
     devices splitting each expert's intermediate (1 under EP). Each shard takes
     ``intermediate // shards`` real columns, so ``shards`` must divide it."""
     if intermediate % shards:

@@ -166,7 +166,7 @@ def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
 
 
 def padded_rows(num_tokens: int, row_shards: int) -> int:
-    """T rounded up to a multiple of the row blocks (SPEC 4: L = ceil(T / shards))."""
+    """T rounded up to a multiple of the row blocks (docs/spec.md §4: L = ceil(T / shards))."""
     return math.ceil(num_tokens / row_shards) * row_shards
 
 

@@ -259,13 +259,13 @@ def sp_sharded_mlp_collectives(mlp: MlpLayout, local_rows: int, act_dtype: str,
 # The plan
 # --------------------------------------------------------------------------
 def format_gb(nbytes: int) -> str:
-    """Decimal gigabytes, 2 decimals (SPEC 6's "180.81 GB")."""
+    """Decimal gigabytes, 2 decimals (docs/spec.md §6's "180.81 GB")."""
     return f"{nbytes / 1e9:.2f}"
 
 
 def format_gib(nbytes: int) -> str:
     """Binary gibibytes with up to 8 decimals, trailing zeros dropped
-    (SPEC 6's "22.640625 GiB")."""
+    (docs/spec.md §6's "22.640625 GiB")."""
     return f"{nbytes / 2**30:.8f}".rstrip("0").removesuffix(".")
 
 

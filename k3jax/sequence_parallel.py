@@ -1,4 +1,4 @@
-"""Token rows under sequence parallelism (SPEC 4): pad T to a multiple of the
+"""Token rows under sequence parallelism (docs/spec.md §4): pad T to a multiple of the
 row blocks, move rows between devices inside ``jax.shard_map``, and wrap a
 per-device body into a global forward.
 

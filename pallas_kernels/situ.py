@@ -1,4 +1,4 @@
-"""SiTU-GLU: the single definition of the activation math (SPEC section 2).
+"""SiTU-GLU: the single definition of the activation math (docs/spec.md §2).
 
 Every k3jax module and every kernel epilogue uses :func:`situ_glu_f32`
 (float32 in, float32 out) or :func:`situ_glu` (casts back to the input dtype).

@@ -43,7 +43,7 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: H200.smem_per_bl
 
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
-    """Per-device shapes the kernels are compiled for. Default: K3 (SPEC 1) at
+    """Per-device shapes the kernels are compiled for. Default: K3 (docs/spec.md §1) at
     EP 8: 112 local experts, latent L = 3584, expert intermediate I = 3072,
     the shared expert's MLP D = 7168 -> F = 6144 (tp 1), top-k 16; decode at 64
     tokens, prefill at 8192 (which tile set a launch gets depends on rows / G)."""

@@ -1,4 +1,4 @@
-"""Checkpoint tensor names (SPEC 3), in one table keyed by module parameter.
+"""Checkpoint tensor names (docs/spec.md §3), in one table keyed by module parameter.
 
 Every weight is stored ``[out, in]`` (torch Linear); k3jax parameters are
 ``[in, out]``, so most entries are transposed on load. Routed experts are one

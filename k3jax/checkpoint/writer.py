@@ -1,4 +1,4 @@
-"""Writing checkpoints in the SPEC 3 layout: synthetic ones for tests and
+"""Writing checkpoints in the docs/spec.md §3 layout: synthetic ones for tests and
 demos (``k3jax make-checkpoint``), with deterministic random weights."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
 def make_synthetic_checkpoint(directory: str | os.PathLike, cfg: K3Config, seed: int = 0, *,
                               dtype: WeightDtype = "bfloat16", experts: ExpertFormat = "dense",
                               num_files: int = 1) -> None:
-    """A deterministic synthetic checkpoint of ``cfg`` in the SPEC 3 layout."""
+    """A deterministic synthetic checkpoint of ``cfg`` in the docs/spec.md §3 layout."""
     write_checkpoint(directory, cfg, synthetic_tensors(cfg, seed, dtype=dtype, experts=experts),
                      num_files=num_files)
 

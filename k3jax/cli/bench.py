@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=positive_int,
                    help="experts per token (default: the config's; on the CPU at most 2)")
     p.add_argument("--tokens", type=token_list,
-                   help="global token counts, comma-separated (default: SPEC 6's sweep "
+                   help="global token counts, comma-separated (default: docs/spec.md §6's sweep "
                         "8,32,128,256,512,1024,2048)")
     p.add_argument("--repeats", type=positive_int, help="timed samples per point "
                    "(median reported; default 5 on the CPU, 20 on accelerators)")

@@ -4,16 +4,25 @@ dtypes and the kernel backend."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import PRESETS, K3Config, from_hf_config, preset
 from k3jax.files import atomic_write, check_writable
-from k3jax.layout import DEFAULT_SHARED_OVERLAP, ParallelConfig, SharedOverlap
+from k3jax.layout import (
+    DEFAULT_SHARED_OVERLAP,
+    LayoutError,
+    Mxfp4ShardError,
+    ParallelConfig,
+    SharedOverlap,
+)
 from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -82,6 +91,30 @@ def report_errors(work: Callable[[], int], prog: str) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"{prog}: error: {interpret_compat.take_error_line() or e}", file=sys.stderr)
         return 1
+
+
+def print_result(result: Any, as_json: bool, print_human: Callable[[Any], None]) -> int:
+    """Print a report (anything with ``to_json()``) as JSON or in its human
+    form ``print_human(result)``; exit status 0."""
+    if as_json:
+        print(result.to_json())
+    else:
+        print_human(result)
+    return 0
+
+
+@contextlib.contextmanager
+def layout_errors(parallel: ParallelConfig, *, what: str = "does not fit",
+                  mxfp4_fix: str = "--expert-dtype bfloat16") -> Iterator[None]:
+    """Turn a layout the model cannot take into a UsageError naming the flags:
+    Mxfp4ShardError (packed MXFP4 experts not shardable) with ``mxfp4_fix``,
+    any other LayoutError as "<layout flags> <what> this model: ..."."""
+    try:
+        yield
+    except Mxfp4ShardError as e:
+        raise UsageError(f"{e} ({mxfp4_fix})") from None
+    except LayoutError as e:
+        raise UsageError(f"{layout_flags(parallel)} {what} this model: {e}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[K3Config, str]:
@@ -169,6 +202,18 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
                               expert_parallel=args.expert_parallel,
                               shard_shared_expert=args.shard_shared_expert,
                               shared_overlap=SharedOverlap(args.shared_overlap))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def layer_parallel_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """parallel_from_args for a planned or compiled layer (no device count),
+    with ``--pad-under-ep`` (add_layer_shape_flags) applied."""
+    parallel = parallel_from_args(args, None)
+    if not args.pad_under_ep:
+        return parallel
+    try:
+        return dataclasses.replace(parallel, pad_under_ep=True)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

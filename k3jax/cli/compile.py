@@ -7,7 +7,6 @@ process compiles with JAX_PLATFORMS=cpu for compile-only CUDA devices."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from k3jax.cli.common import (
@@ -16,9 +15,11 @@ from k3jax.cli.common import (
     add_model_source_flags,
     add_parallel_flags,
     config_from_args,
+    layer_parallel_from_args,
+    layout_errors,
     layout_flags,
     non_negative_int,
-    parallel_from_args,
+    print_result,
     report_errors,
 )
 
@@ -56,24 +57,12 @@ def main(args: argparse.Namespace, prog: str) -> int:
     # platform is the CPU: this never initializes (or touches) a GPU.
     import jax
     jax.config.update("jax_platforms", "cpu")
-    return report_errors(lambda: _print(_compile(args), args.json), prog)
-
-
-def _print(report, as_json: bool) -> int:
-    if as_json:
-        print(report.to_json())
-    else:
-        print_report(report)
-    return 0
+    return report_errors(lambda: print_result(_compile(args), args.json, print_report), prog)
 
 
 def _compile(args: argparse.Namespace):
-    from k3jax.layout import LayoutError, Mxfp4ShardError
-
     cfg, _ = config_from_args(args)
-    parallel = parallel_from_args(args, None)
-    if args.pad_under_ep:
-        parallel = dataclasses.replace(parallel, pad_under_ep=True)
+    parallel = layer_parallel_from_args(args)
     if args.layer >= cfg.num_hidden_layers:
         raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
     if cfg.is_moe_layer(args.layer) and args.expert_dtype not in ("mxfp4", args.dtype):
@@ -81,11 +70,8 @@ def _compile(args: argparse.Namespace):
                          f"(float experts compile in the layer's dtype), or --expert-dtype mxfp4")
     what = "cannot train" if args.grads else "does not fit"
     try:   # a missing gpu-compile extra: GpuCompileUnavailable, a RuntimeError (exit 1)
-        return _compile_one(args, cfg, parallel)
-    except Mxfp4ShardError as e:
-        raise UsageError(f"{e} (--expert-dtype bfloat16)") from None
-    except LayoutError as e:
-        raise UsageError(f"{layout_flags(parallel)} {what} this model: {e}") from None
+        with layout_errors(parallel, what=what):
+            return _compile_one(args, cfg, parallel)
     except ValueError as e:
         if "smem" in str(e).lower() or "shared memory" in str(e).lower():
             raise UsageError(f"{layout_flags(parallel)} --tokens {args.tokens} --backend "

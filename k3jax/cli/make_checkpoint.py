@@ -1,4 +1,4 @@
-"""``k3jax make-checkpoint``: a synthetic checkpoint in the SPEC 3 layout."""
+"""``k3jax make-checkpoint``: a synthetic checkpoint in the docs/spec.md §3 layout."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ CHOICES = sorted(name for name in PRESETS if name != "k3")
 def add_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint",
                        description="Write a deterministic synthetic checkpoint (config.json + "
-                                   "safetensors) in the HF layout of SPEC section 3.")
+                                   "safetensors) in the HF layout of docs/spec.md §3.")
     p.add_argument("directory", help="output directory (must not exist, or be empty)")
     p.add_argument("--preset", choices=CHOICES, default="tiny",
                    help="a built-in config (not k3: the full-size model is ~1 TB of weights)")

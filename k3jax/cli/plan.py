@@ -4,7 +4,6 @@ planned from the modules built abstractly (no devices, nothing allocated)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from k3jax.cli.common import (
@@ -13,8 +12,9 @@ from k3jax.cli.common import (
     add_model_source_flags,
     add_parallel_flags,
     config_from_args,
-    layout_flags,
-    parallel_from_args,
+    layer_parallel_from_args,
+    layout_errors,
+    print_result,
     report_errors,
 )
 
@@ -36,32 +36,18 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
-    return report_errors(lambda: _print(_plan(args), args.json), prog)
-
-
-def _print(plan, as_json: bool) -> int:
-    if as_json:
-        print(plan.to_json())
-    else:
-        print_plan(plan)
-    return 0
+    return report_errors(lambda: print_result(_plan(args), args.json, print_plan), prog)
 
 
 def _plan(args: argparse.Namespace):
-    from k3jax.layout import LayoutError, Mxfp4ShardError
     from k3jax.plan import make_plan
 
     cfg, source = config_from_args(args)
-    parallel = parallel_from_args(args, None)
+    parallel = layer_parallel_from_args(args)
     try:
-        if args.pad_under_ep:
-            parallel = dataclasses.replace(parallel, pad_under_ep=True)
-        return make_plan(cfg, parallel, tokens=args.tokens, dtype=args.dtype,
-                         expert_dtype=args.expert_dtype, source=source)
-    except Mxfp4ShardError as e:
-        raise UsageError(f"{e} (--expert-dtype bfloat16)") from None
-    except LayoutError as e:
-        raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
+        with layout_errors(parallel):
+            return make_plan(cfg, parallel, tokens=args.tokens, dtype=args.dtype,
+                             expert_dtype=args.expert_dtype, source=source)
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -210,7 +210,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
 
     from k3jax.checkpoint import load_layer, make_synthetic_checkpoint
     from k3jax.config import TINY
-    from k3jax.layout import LayoutError, Mxfp4ShardError, make_mesh
+    from k3jax.layout import make_mesh
     from k3jax.memory import format_bytes, param_shard_bytes
 
     with tempfile.TemporaryDirectory(prefix="k3jax-tiny-") as tmp:
@@ -225,13 +225,9 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         else:
             reader, cfg, layer, x, dy = _agree(args, spec, parallel, path)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
-        try:
+        with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                                 backend=args.backend, mxfp4=args.mxfp4, progress=True)
-        except Mxfp4ShardError as e:
-            raise UsageError(f"{e} (--mxfp4 dequantize)") from None
-        except LayoutError as e:
-            raise UsageError(f"{layout_flags(parallel)} does not fit this model: {e}") from None
 
         graphdef, state = nnx.split(module)
         forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))

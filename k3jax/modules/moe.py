@@ -1,4 +1,4 @@
-"""KimiMoE: one Kimi K3 MoE layer on a mesh (SPEC 2, 4, 5).
+"""KimiMoE: one Kimi K3 MoE layer on a mesh (docs/spec.md §2, §4, §5).
 
     x_TD -> route -> lat_TL = x @ lat_down -> routed experts (sum over top-k)
          -> RMSNorm -> @ lat_up  +  shared(x_TD)

@@ -36,7 +36,7 @@ class Init(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Padding:
     """``blocks`` equal blocks along ``axis``; each holds ``real // blocks``
-    real entries at its front and zeros after them (SPEC 5)."""
+    real entries at its front and zeros after them (docs/spec.md §5)."""
 
     axis: int
     blocks: int

@@ -1,5 +1,5 @@
 """The router: sigmoid scores, bias for selection only, (grouped) top-k,
-renormalize, scale (SPEC section 2). Always float32."""
+renormalize, scale (docs/spec.md §2). Always float32."""
 
 from __future__ import annotations
 

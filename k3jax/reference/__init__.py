@@ -1,6 +1,6 @@
 """Torch reference of the K3 MLP / MoE block (the optional ``torch`` extra).
 
-Written from the SPEC math only, independent of the JAX implementation, for
+Written from the math of docs/spec.md only, independent of the JAX implementation, for
 cross-checking k3jax. Needs torch: ``pip install k3jax[torch]``.
 """
 

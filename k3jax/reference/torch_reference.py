@@ -1,7 +1,7 @@
-"""A torch reference of the Kimi K3 MLP / MoE block, written from SPEC section 2.
+"""A torch reference of the Kimi K3 MLP / MoE block, written from docs/spec.md §2.
 
 Independent of the JAX code (it imports only ``k3jax.config``), so it can
-cross-check k3jax. Module state_dict keys are the checkpoint names (SPEC
+cross-check k3jax. Module state_dict keys are the checkpoint names (docs/spec.md
 section 3) below ``model.layers.N.mlp.`` / ``model.layers.N.block_sparse_moe.``.
 Shapes: T tokens, H hidden, L latent (routed_expert_hidden_size), E experts,
 K experts per token, I expert intermediate.

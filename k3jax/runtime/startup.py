@@ -57,7 +57,7 @@ class ProcessSpec:
 
 
 def add_distributed_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("multi-process (one process per host; see README 'Multi-host')")
+    g = p.add_argument_group("multi-process (one process per host; see docs/multihost.md)")
     g.add_argument("--coordinator-address", metavar="HOST:PORT",
                    help=f"process 0's address, reachable from every process "
                         f"(default: ${ENV_COORDINATOR})")

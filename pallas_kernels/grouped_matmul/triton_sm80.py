@@ -8,7 +8,7 @@ Two products, one kernel body (``_grouped_body``):
     products accumulate in two f32 register tiles of the same program and the
     SiTU epilogue runs on those registers (no 2N-wide intermediate in HBM).
 Each has an MXFP4 twin (``*_mxfp4``) taking the weights as packed E2M1 codes
-and UE8M0 scales (SPEC 3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
+and UE8M0 scales (docs/spec.md §3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
 them (``ExpertStorage.MXFP4``): w_packed_GHN uint8 [G, K/2, N] packed along K
 (low nibble = row 2j, high nibble = row 2j+1) and w_scale_GSN uint8
 [G, K/32, N]. The weight tile is dequantized in registers (shifts and
@@ -111,7 +111,7 @@ def _tanh(y):
 @triton.jit
 def _situ_glu(gate, up, BETA: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
               LINEAR_BETA: tl.constexpr):
-    """float32 SiTU-GLU (SPEC 2), the same formula as pallas_kernels.situ."""
+    """float32 SiTU-GLU (docs/spec.md §2), the same formula as pallas_kernels.situ."""
     sigmoid = 1.0 / (1.0 + tl.exp(-gate))
     gate_act = BETA * _tanh(gate * (1.0 / BETA)) * sigmoid
     if HAS_LINEAR_BETA:
