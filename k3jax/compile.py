@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.aot import (
@@ -180,6 +180,60 @@ def _cost(compiled) -> tuple[float, float]:
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractLayer:
+    """One layer built for ``parallel.num_devices`` H200s with abstract weights
+    (nothing allocated): the mesh, the Layout, the routed experts' storage, the
+    module, and the input spec x_TD [tokens, hidden] (rows sharded as
+    ``layout.x_TD`` where the row shards divide tokens, else replicated)."""
+
+    mesh: Mesh
+    layout: Layout
+    experts: ExpertStorage
+    module: nnx.Module
+    x_TD: jax.ShapeDtypeStruct
+
+
+def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
+                   backend: str, dtype: str, expert_dtype: str) -> AbstractLayer:
+    """Check the arguments (ValueError) and build layer ``layer`` abstractly for
+    ``tokens`` global rows; layout errors raise ``k3jax.layout.LayoutError``."""
+    _check(cfg, layer, backend, dtype, expert_dtype)
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    mesh = h200_mesh(parallel)
+    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
+    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
+                         dtype=jnp.dtype(dtype))
+    module = build_layer(layout, layer, mesh, source=AbstractSource())
+    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
+    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
+                                sharding=NamedSharding(mesh, spec))
+    return AbstractLayer(mesh=mesh, layout=layout, experts=experts, module=module, x_TD=x_TD)
+
+
+def shard_bytes(tree) -> int:
+    """Per-device bytes of a pytree of sharded arrays or ShapeDtypeStructs."""
+    return sum(math.prod(a.sharding.shard_shape(tuple(a.shape))) * jnp.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(tree))
+
+
+def compiled_bytes(compiled, input_bytes: int) -> dict[str, int]:
+    """The compiler's per-device bytes (BYTE_KINDS): the arguments less the
+    ``input_bytes`` of the activation inputs are the weights."""
+    mem = compiled.memory_analysis()
+    return {"weights": mem.argument_size_in_bytes - input_bytes, "activations": input_bytes,
+            "outputs": mem.output_size_in_bytes, "temporaries": mem.temp_size_in_bytes}
+
+
+def planner_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype: str,
+                  expert_dtype: str) -> tuple[int, int]:
+    """The planner's per-device weight bytes: (this layer's, all layers')."""
+    layer_bytes = sum(plan_layer_bytes(cfg, parallel, layer, dtype=dtype,
+                                       expert_dtype=expert_dtype).values())
+    return layer_bytes, model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)[0]["total"]
+
+
 def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                   backend: str = "xla", dtype: str = "bfloat16", expert_dtype: str = "mxfp4",
                   compiler_options: dict | None = None) -> CompileReport:
@@ -187,19 +241,11 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     ``parallel.num_devices`` H200s (module docstring). Layout errors raise
     ``k3jax.layout.LayoutError``; bad arguments ValueError; a missing CUDA
     plugin or ptxas ``k3jax.aot.GpuCompileUnavailable``."""
-    _check(cfg, layer, backend, dtype, expert_dtype)
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
+                           expert_dtype=expert_dtype)
     options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
-    mesh = h200_mesh(parallel)
-    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
-    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
-                         dtype=jnp.dtype(dtype))
-    module = build_layer(layout, layer, mesh, source=AbstractSource())
-    graph, state = nnx.split(module)
-    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
-    x_sharding = NamedSharding(mesh, spec)
-    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype), sharding=x_sharding)
+    mesh, layout, x_TD = built.mesh, built.layout, built.x_TD
+    graph, state = nnx.split(built.module)
     fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD), compiler_options=options)
 
     t0 = time.perf_counter()
@@ -210,13 +256,8 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     seconds = time.perf_counter() - t0
     peers = tuple(tokamax_peer_reports(grouped_launches(traced.jaxpr))) if kernels else ()
 
-    mem = compiled.memory_analysis()
-    x_bytes = math.prod(x_sharding.shard_shape(x_TD.shape)) * jnp.dtype(dtype).itemsize
-    per_device = {"weights": mem.argument_size_in_bytes - x_bytes, "activations": x_bytes,
-                  "outputs": mem.output_size_in_bytes, "temporaries": mem.temp_size_in_bytes}
-    planner = sum(plan_layer_bytes(cfg, parallel, layer, dtype=dtype,
-                                   expert_dtype=expert_dtype).values())
-    model = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)[0]["total"]
+    per_device = compiled_bytes(compiled, shard_bytes(x_TD))
+    planner, model = planner_bytes(cfg, parallel, layer, dtype=dtype, expert_dtype=expert_dtype)
     text = compiled.as_text()
     flops, bytes_accessed = _cost(compiled)
     return CompileReport(cfg=cfg, parallel=parallel, layout=layout, layer=layer, tokens=tokens,

@@ -26,24 +26,26 @@ then names the path their input's gradient takes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from k3jax.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh, ptxas_dump
-from k3jax.compile import CompileReport, _check, _cost, target_summary
+from k3jax.aot import OVERLAP_COMPILER_OPTIONS, ptxas_dump
+from k3jax.compile import (
+    CompileReport,
+    _cost,
+    abstract_layer,
+    compiled_bytes,
+    planner_bytes,
+    shard_bytes,
+    target_summary,
+)
 from k3jax.config import K3Config
 from k3jax.grads import grad_program, param_path, split_trainable
 from k3jax.hlo_schedule import collective_schedule
-from k3jax.layout import ExpertStorage, ParallelConfig, make_layout
-from k3jax.modules import AbstractSource, build_layer
-from k3jax.plan import model_bytes, plan_layer_bytes
+from k3jax.layout import ExpertStorage, ParallelConfig
 
 MXFP4_X_GRADIENT = {
     "xla": "blocked scan of dy @ W[g]^T, one active expert dequantized at a time "
@@ -77,11 +79,6 @@ class GradsCompileReport(CompileReport):
         return d
 
 
-def _shard_bytes(tree) -> int:
-    return sum(math.prod(a.sharding.shard_shape(tuple(a.shape))) * jnp.dtype(a.dtype).itemsize
-               for a in jax.tree.leaves(tree))
-
-
 def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                         backend: str = "xla", dtype: str = "bfloat16",
                         expert_dtype: str = "mxfp4",
@@ -89,19 +86,11 @@ def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, 
     """Compile layer ``layer``'s forward and VJP on ``tokens`` global rows for
     ``parallel.num_devices`` H200s (module docstring). Errors as
     ``k3jax.compile.compile_layer``."""
-    _check(cfg, layer, backend, dtype, expert_dtype)
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
+                           expert_dtype=expert_dtype)
     options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
-    mesh = h200_mesh(parallel)
-    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
-    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
-                         dtype=jnp.dtype(dtype))
-    module = build_layer(layout, layer, mesh, source=AbstractSource())
+    mesh, layout, module, x_TD = built.mesh, built.layout, built.module, built.x_TD
     _, params, frozen = split_trainable(module)
-    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
-    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
-                                sharding=NamedSharding(mesh, spec))
 
     t0 = time.perf_counter()
     with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -110,15 +99,10 @@ def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, 
         kernels = tuple(reports())
     seconds = time.perf_counter() - t0
 
-    mem = compiled.memory_analysis()
-    xy_bytes = 2 * _shard_bytes(x_TD)
-    per_device = {"weights": mem.argument_size_in_bytes - xy_bytes, "activations": xy_bytes,
-                  "outputs": mem.output_size_in_bytes, "temporaries": mem.temp_size_in_bytes}
-    planner = sum(plan_layer_bytes(cfg, parallel, layer, dtype=dtype,
-                                   expert_dtype=expert_dtype).values())
-    model = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)[0]["total"]
+    per_device = compiled_bytes(compiled, 2 * shard_bytes(x_TD))  # x and the cotangent
+    planner, model = planner_bytes(cfg, parallel, layer, dtype=dtype, expert_dtype=expert_dtype)
     frozen_names = tuple(param_path(p) for p, _ in nnx.to_flat_state(frozen))
-    packed = cfg.is_moe_layer(layer) and experts is ExpertStorage.MXFP4
+    packed = cfg.is_moe_layer(layer) and built.experts is ExpertStorage.MXFP4
     text = compiled.as_text()
     flops, bytes_accessed = _cost(compiled)
     return GradsCompileReport(
@@ -127,7 +111,7 @@ def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, 
         model_weight_bytes=model, device_memory_bytes=target_summary()["device_memory_bytes"],
         collectives=tuple(collective_schedule(text)), kernels=kernels, peer_kernels=(),
         flops=flops, bytes_accessed=bytes_accessed, compile_seconds=seconds, hlo_text=text,
-        gradient_bytes=_shard_bytes(params), frozen=frozen_names,
+        gradient_bytes=shard_bytes(params), frozen=frozen_names,
         x_gradient=MXFP4_X_GRADIENT[backend] if packed else None)
 
 

@@ -20,7 +20,7 @@ from k3jax.cli.common import (
     atomic_save_npy,
     check_backend,
     check_output,
-    layout_flags,
+    layout_errors,
     non_negative_int,
     parallel_from_args,
     pick_devices,

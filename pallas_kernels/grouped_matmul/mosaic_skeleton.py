@@ -117,6 +117,33 @@ class Tile:
     scratch: Mapping[str, Any]
 
 
+def step_operands(rest: tuple, num_x: int, refs_per_w: int) -> tuple[tuple, list, Any]:
+    """A pipeline step's arguments ``(*smem tiles, accs)`` split by role: the
+    ``num_x`` x tiles (planes), for each accumulator its weight's
+    ``refs_per_w`` SMEM refs (bf16 planes, or packed + scales), the accumulators.
+    The SMEM tiles are in BlockSpec order: x planes first, then the weights."""
+    smems, accs = rest[:-1], rest[-1]
+    w_refs = [smems[num_x + i * refs_per_w:num_x + (i + 1) * refs_per_w]
+              for i in range(len(accs))]
+    return smems[:num_x], w_refs, accs
+
+
+def scoped_accumulators(shape: tuple[int, int], count: int,
+                        finish: Callable[[list], None]) -> Callable:
+    """The compute_context of ``Pipeline.emit``: ``count`` f32 WGMMA register
+    accumulators of ``shape`` live for the tile's whole K pipeline, then
+    ``finish(accs)`` reads them (epilogue and store) in the same scope."""
+    def compute_context(run_pipeline):
+        accs = [plgpu.ACC(shape, jnp.float32)] * count
+
+        @functools.partial(pl.run_scoped, accs=accs)
+        def _acc_scope(accs):
+            run_pipeline(tuple(accs))
+            finish(accs)
+
+    return compute_context
+
+
 # tile -> (mma step_fn, compute_context, tail store or None)
 TileBody = Callable[[Tile], tuple[Callable, Callable, Callable | None]]
 # num_items -> (number of linear tiles, index -> (split | None, item, n_block));

@@ -274,13 +274,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
                                     max_rows=min(wg_m, num_rows))
 
         def mma(_, *rest):
-            smems, accs = rest[:-1], rest[-1]
-            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
+            x_planes, w_planes, accs = skeleton.step_operands(rest, planes, planes)
+            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in x_planes]
 
             @pl.when(hi > lo)  # no WGMMA for a consumer without rows
             def _issue():
-                for i, acc in enumerate(accs):
-                    w_smems = smems[planes + i * planes:planes + (i + 1) * planes]
+                for acc, w_smems in zip(accs, w_planes):
                     for xp, wp in products:
                         plgpu.wgmma(acc, x_smems[xp], w_smems[wp])
             # The slot is released when this step returns (delay_release=0),
@@ -289,13 +288,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: TileConfig, 
             plgpu.wgmma_wait(0)
             return accs
 
-        def compute_context(run_pipeline):
-            accs = [plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * num_w
-
-            @functools.partial(pl.run_scoped, accs=accs)
-            def _acc_scope(accs):
-                run_pipeline(tuple(accs))
-                store(epilogue(*[acc[...] for acc in accs]))
+        compute_context = skeleton.scoped_accumulators(
+            (wg_m, cfg.block_n), num_w,
+            lambda accs: store(epilogue(*[acc[...] for acc in accs])))
 
         def tail():  # tail rows past sum(group_sizes): no matmul, zeros
             @pl.when((t.count > 0) & (t.group < 0) & (wg < cfg.num_compute_wgs))

@@ -201,16 +201,15 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
             store_tile()
 
         def mma(_, *rest):
-            smems, accs = rest[:-1], rest[-1]
-            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in smems[:planes]]
+            x_planes, w_refs, accs = skeleton.step_operands(rest, planes, 2)
+            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in x_planes]
 
             @pl.when(hi > lo)  # no dequant and no WGMMA for a consumer without rows
             def _issue():
                 x_tiles = [x_smem.at[wg * planes + p] for p in range(planes)]
                 for x_pairs, x_tile in zip(x_smems, x_tiles):
                     split_pairs(x_pairs, x_tile)
-                for i, acc in enumerate(accs):
-                    packed_smem, scale_smem = smems[planes + 2 * i:planes + 2 * i + 2]
+                for i, (acc, (packed_smem, scale_smem)) in enumerate(zip(accs, w_refs)):
                     tile = w_smem.at[wg * num_w + i]
                     dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
@@ -221,28 +220,25 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
             plgpu.wgmma_wait(0)
             return accs
 
-        def compute_context(run_pipeline):
-            accs = [plgpu.ACC((wg_m, cfg.block_n), jnp.float32)] * num_w
+        def finish(accs):
+            if num_w == 1:
+                store(epilogue(accs[0][...]))
+                return
+            # Fused: the gate products go to SMEM first (each thread
+            # reads back what it wrote: no barrier), so the SiTU runs
+            # on column chunks with one accumulator live, not two.
+            g_smem = t.scratch["g_smem"]
+            g_smem[wg] = accs[0][...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous store
+            cols = min(EPILOGUE_COLS, cfg.block_n)
+            for c in range(cfg.block_n // cols):
+                chunk = pl.ds(c * cols, cols)
+                gate = plgpu.load(g_smem.at[wg, :, chunk], layout=plgpu.Layout.WGMMA)
+                o_smem[wg, :, chunk] = epilogue(gate, accs[1][:, chunk]).astype(out_dtype)
+            plgpu.commit_smem()
+            store_tile()
 
-            @functools.partial(pl.run_scoped, accs=accs)
-            def _acc_scope(accs):
-                run_pipeline(tuple(accs))
-                if num_w == 1:
-                    store(epilogue(accs[0][...]))
-                    return
-                # Fused: the gate products go to SMEM first (each thread
-                # reads back what it wrote: no barrier), so the SiTU runs
-                # on column chunks with one accumulator live, not two.
-                g_smem = t.scratch["g_smem"]
-                g_smem[wg] = accs[0][...]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous store
-                cols = min(EPILOGUE_COLS, cfg.block_n)
-                for c in range(cfg.block_n // cols):
-                    chunk = pl.ds(c * cols, cols)
-                    gate = plgpu.load(g_smem.at[wg, :, chunk], layout=plgpu.Layout.WGMMA)
-                    o_smem[wg, :, chunk] = epilogue(gate, accs[1][:, chunk]).astype(out_dtype)
-                plgpu.commit_smem()
-                store_tile()
+        compute_context = skeleton.scoped_accumulators((wg_m, cfg.block_n), num_w, finish)
 
         def tail():
             @pl.when((t.count > 0) & (t.group < 0) & (wg < cfg.num_compute_wgs))

@@ -285,10 +285,9 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: SwapABConfig
         w_cols = pl.ds(wg * wg_w, wg_w)
 
         def mma(_, *rest):
-            smems, accs = rest[:-1], rest[-1]
-            xt_smems = [x.transpose((1, 0)) for x in smems[:planes]]  # [K, T]
-            for i, acc in enumerate(accs):
-                w_smems = smems[planes + i * planes:planes + (i + 1) * planes]
+            x_planes, w_planes, accs = skeleton.step_operands(rest, planes, planes)
+            xt_smems = [x.transpose((1, 0)) for x in x_planes]  # [K, T]
+            for acc, w_smems in zip(accs, w_planes):
                 for xp, wp in products:
                     plgpu.wgmma(acc, w_smems[wp].at[:, w_cols].transpose((1, 0)),
                                 xt_smems[xp])
@@ -296,24 +295,20 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: SwapABConfig
             plgpu.wgmma_wait(0)
             return accs
 
-        def compute_context(run_pipeline):
-            accs = [plgpu.ACC((wg_w, cfg.block_t), jnp.float32)] * num_w
+        def finish(accs):
+            tiles = epilogue(*[acc[...] for acc in accs])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
+            for o, tile in enumerate(tiles):
+                o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
+            plgpu.commit_smem()
+            for o, o_gmem in enumerate(t.o_gmems):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[o * cfg.num_compute_wgs + wg],
+                    o_gmem.at[pl.ds(t.split * n_pad + t.n_block * cfg.block_w
+                                    + wg * wg_w, wg_w),
+                              pl.ds(t.item * cfg.block_t, cfg.block_t)])
 
-            @functools.partial(pl.run_scoped, accs=accs)
-            def _acc_scope(accs):
-                run_pipeline(tuple(accs))
-                tiles = epilogue(*[acc[...] for acc in accs])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous tile's store
-                for o, tile in enumerate(tiles):
-                    o_smem[o * cfg.num_compute_wgs + wg] = tile.astype(out_dtype)
-                plgpu.commit_smem()
-                for o, o_gmem in enumerate(t.o_gmems):
-                    plgpu.copy_smem_to_gmem(
-                        o_smem.at[o * cfg.num_compute_wgs + wg],
-                        o_gmem.at[pl.ds(t.split * n_pad + t.n_block * cfg.block_w
-                                        + wg * wg_w, wg_w),
-                                  pl.ds(t.item * cfg.block_t, cfg.block_t)])
-
+        compute_context = skeleton.scoped_accumulators((wg_w, cfg.block_t), num_w, finish)
         return mma, compute_context, None
 
     return skeleton.persistent_body(
