@@ -117,6 +117,24 @@ class Tile:
     scratch: Mapping[str, Any]
 
 
+def launch_dims(x_MK, w_GKNs) -> tuple[int, int, int, int, int]:
+    """(m, k, n, num_groups, num_weights) of an [m, k] x num_weights x [G, k, n]
+    grouped launch (the weights share one shape)."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKNs[0].shape
+    return m, k, n, num_groups, len(w_GKNs)
+
+
+def kernel_epilogue(epilogue: Callable, split_k: int, out_dtype) -> tuple[Callable, Any]:
+    """(what the kernel applies to its f32 accumulators, the dtype it stores):
+    with split_k > 1 the accumulators themselves as f32 partials (the launcher
+    sums the K ranges, then applies ``epilogue``), else ``(epilogue(*accs),)``
+    in out_dtype."""
+    if split_k > 1:
+        return (lambda *accs: accs), jnp.float32
+    return (lambda *accs: (epilogue(*accs),)), out_dtype
+
+
 def step_operands(rest: tuple, num_x: int, refs_per_w: int) -> tuple[tuple, list, Any]:
     """A pipeline step's arguments ``(*smem tiles, accs)`` split by role: the
     ``num_x`` x tiles (planes), for each accumulator its weight's

@@ -315,9 +315,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
     epilogue(*f32 products) -> [M, N] f32; applied in the kernel, or (split-K)
     by XLA after summing the kernel's f32 partials.
     """
-    m, k = x_MK.shape
-    num_groups, _, n = w_GKNs[0].shape
-    num_w = len(w_GKNs)
+    m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, w_GKNs)
     out_dtype = x_MK.dtype
     in_dtype = jnp.result_type(x_MK, *w_GKNs)
     if m == 0 or n == 0:
@@ -335,11 +333,10 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: TileConfig | No
                 for p in tiling.to_planes(pad(pad(w, 1, k_pad), 2, n_pad), in_dtype, planes)]
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
 
+    kernel_epilogue, kernel_dtype = skeleton.kernel_epilogue(epilogue, split_k, out_dtype)
     if split_k > 1:
-        kernel_epilogue, kernel_dtype = (lambda *accs: accs), jnp.float32
         out_type = [jax.ShapeDtypeStruct((split_k * m_pad, n_pad), jnp.float32)] * num_w
     else:
-        kernel_epilogue, kernel_dtype = (lambda *accs: (epilogue(*accs),)), out_dtype
         out_type = jax.ShapeDtypeStruct((m, n_pad), out_dtype)
     body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg, num_rows=m,
                       num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,

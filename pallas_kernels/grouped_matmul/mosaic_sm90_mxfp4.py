@@ -340,9 +340,7 @@ def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax
 def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                 cfg: sm90.TileConfig | None, interpret):
     """Launcher: pad, view x as bf16 pairs, build the schedule, run the kernel."""
-    m, k = x_MK.shape
-    num_groups, _, n = weights[0].shape
-    num_w = len(weights)
+    m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, weights)
     out_dtype = x_MK.dtype
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)

@@ -331,9 +331,7 @@ def chain_bounds_2C(meta_4W, plan: SwapABPlan, num_clusters: int) -> jax.Array:
 def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: SwapABConfig, interpret):
     """Launcher: fit, pad, schedule, run the transposed kernel, assemble y
     (split-K: sum the f32 partials of each row's column, then the epilogue)."""
-    m, k = x_MK.shape
-    num_groups, _, n = w_GKNs[0].shape
-    num_w = len(w_GKNs)
+    m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, w_GKNs)
     out_dtype = x_MK.dtype
     in_dtype = jnp.result_type(x_MK, *w_GKNs)
     if m == 0 or n == 0:
@@ -349,10 +347,7 @@ def _grouped_call(x_MK, w_GKNs, group_sizes_G, *, epilogue, cfg: SwapABConfig, i
                 for p in tiling.to_planes(pad(pad(w, 1, plan.k_pad), 2, plan.w_cols),
                                           in_dtype, planes)]
     meta_4W = schedule(group_sizes_G, m, cfg.block_t)
-    if split_k > 1:
-        kernel_epilogue, kernel_dtype = (lambda *accs: accs), jnp.float32
-    else:
-        kernel_epilogue, kernel_dtype = (lambda *accs: (epilogue(*accs),)), out_dtype
+    kernel_epilogue, kernel_dtype = skeleton.kernel_epilogue(epilogue, split_k, out_dtype)
     body = _make_body(epilogue=kernel_epilogue, num_w=num_w, planes=planes, cfg=cfg,
                       num_k_steps=plan.num_k_steps, n_pad=plan.n_pad, out_dtype=kernel_dtype,
                       no_drain=plan.no_drain)
