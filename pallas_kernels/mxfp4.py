@@ -121,7 +121,9 @@ def dequant(packed, scales, dtype=jnp.float32, *, axis: int = -1) -> jax.Array:
     scales = scales if isinstance(scales, jax.Array) else jnp.asarray(scales)
     axis, n, lead, trail = _codes_shape(packed, scales, axis)
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=axis + 1).reshape(*lead, n, *trail)
-    vals = jnp.take(jnp.asarray(E2M1_VALUES), codes.astype(jnp.int32), axis=0)
+    # A writeable copy of the table: with the read-only E2M1_VALUES itself, XLA
+    # compiles the blocked MXFP4 path with more temporaries.
+    vals = jnp.take(jnp.asarray(np.array(E2M1_VALUES)), codes.astype(jnp.int32), axis=0)
     vals = vals.reshape(*lead, n // BLOCK_SIZE, BLOCK_SIZE, *trail)
     b = scales.astype(jnp.uint32)
     # 2**(b-127) as float32 bits, kept normal: byte 0 uses 2**-126 times a 0.5 fixup.
