@@ -136,10 +136,12 @@ def add_model_source_flags(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default k3)")
 
 
-def add_layer_shape_flags(p: argparse.ArgumentParser, *, default_tokens: int,
-                          tokens_help: str) -> None:
-    """The flags that size one planned or compiled layer: --pad-under-ep,
-    --tokens, --dtype, --expert-dtype, and --json for the output."""
+def add_layer_flags(p: argparse.ArgumentParser, *, default_tokens: int, tokens_help: str) -> None:
+    """The flags of one planned or compiled layer: the model source
+    (add_model_source_flags), the layout (add_parallel_flags), then what sizes
+    it: --pad-under-ep, --tokens, --dtype, --expert-dtype, and --json for the output."""
+    add_model_source_flags(p)
+    add_parallel_flags(p)
     p.add_argument("--pad-under-ep", action="store_true",
                    help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
     p.add_argument("--tokens", type=positive_int, default=default_tokens,
@@ -208,7 +210,7 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
 
 def layer_parallel_from_args(args: argparse.Namespace) -> ParallelConfig:
     """parallel_from_args for a planned or compiled layer (no device count),
-    with ``--pad-under-ep`` (add_layer_shape_flags) applied."""
+    with ``--pad-under-ep`` (add_layer_flags) applied."""
     parallel = parallel_from_args(args, None)
     if not args.pad_under_ep:
         return parallel

@@ -11,9 +11,7 @@ import sys
 
 from k3jax.cli.common import (
     UsageError,
-    add_layer_shape_flags,
-    add_model_source_flags,
-    add_parallel_flags,
+    add_layer_flags,
     config_from_args,
     layer_parallel_from_args,
     layout_errors,
@@ -35,10 +33,8 @@ def add_parser(sub) -> None:
                                    "compiler's per-device bytes, the collective schedule and, "
                                    "with --backend pallas, the Mosaic GPU kernels. Needs the "
                                    "gpu-compile extra.")
-    add_model_source_flags(p)
-    add_parallel_flags(p)
-    add_layer_shape_flags(p, default_tokens=DEFAULT_TOKENS,
-                          tokens_help="global tokens of the forward")
+    add_layer_flags(p, default_tokens=DEFAULT_TOKENS,
+                    tokens_help="global tokens of the forward")
     p.add_argument("--layer", type=non_negative_int, default=DEFAULT_LAYER,
                    help=f"layer index: 0 is the dense layer, 1 and up MoE (default {DEFAULT_LAYER})")
     p.add_argument("--backend", choices=("xla", "pallas"), default="xla",

@@ -8,9 +8,7 @@ import sys
 
 from k3jax.cli.common import (
     UsageError,
-    add_layer_shape_flags,
-    add_model_source_flags,
-    add_parallel_flags,
+    add_layer_flags,
     config_from_args,
     layer_parallel_from_args,
     layout_errors,
@@ -28,10 +26,8 @@ def add_parser(sub) -> None:
                                    "follow the published checkpoint by default: routed experts "
                                    "MXFP4 (0.53125 B/param), everything else BF16, router bias "
                                    "float32.")
-    add_model_source_flags(p)
-    add_parallel_flags(p)
-    add_layer_shape_flags(p, default_tokens=DEFAULT_TOKENS,
-                          tokens_help="global tokens of the MoE forward whose collectives are sized")
+    add_layer_flags(p, default_tokens=DEFAULT_TOKENS,
+                    tokens_help="global tokens of the MoE forward whose collectives are sized")
     p.set_defaults(main=main)
 
 
