@@ -125,6 +125,23 @@ def np_grouped_matmul(x, w, group_sizes) -> np.ndarray:
     return out
 
 
+def group_rows(group_sizes):
+    """(g, slice of group g's rows) for each group, in row order."""
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        yield g, slice(start, start + int(size))
+        start += int(size)
+
+
+def np_tgmm(x, dy, group_sizes) -> np.ndarray:
+    """float64 per-group x_g^T @ dy_g [G, K, N]; empty groups 0."""
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    out = np.zeros((len(group_sizes), x64.shape[1], dy64.shape[1]))
+    for g, rows in group_rows(group_sizes):
+        out[g] = x64[rows].T @ dy64[rows]
+    return out
+
+
 def np_grouped_situ_glu(x, w_gate, w_up, group_sizes, beta=BETA, linear_beta=LINEAR_BETA):
     """float64 reference of the fused grouped gate/up + SiTU-GLU."""
     gate = np_grouped_matmul(x, w_gate, group_sizes)

@@ -38,27 +38,12 @@ def _case_id(case):
     return "{}x{}x{}_g{}_{}".format(*case)
 
 
-def _segments(sizes):
-    start = 0
-    for g, size in enumerate(np.asarray(sizes)):
-        yield g, slice(start, start + int(size))
-        start += int(size)
-
-
-def np_tgmm(x, dy, sizes) -> np.ndarray:
-    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
-    out = np.zeros((len(sizes), x64.shape[1], dy64.shape[1]))
-    for g, rows in _segments(sizes):
-        out[g] = x64[rows].T @ dy64[rows]
-    return out
-
-
 def np_matmul_nt(dy, ws, sizes) -> np.ndarray:
     """float64 sum_i dy[:, i*N:(i+1)*N] @ w_i[g]^T; tail rows 0."""
     n = ws[0].shape[2]
     dy64 = np.asarray(dy, np.float64)
     out = np.zeros((dy64.shape[0], ws[0].shape[1]))
-    for g, rows in _segments(sizes):
+    for g, rows in kc.group_rows(sizes):
         for i, w in enumerate(ws):
             out[rows] += dy64[rows, i * n:(i + 1) * n] @ np.asarray(w, np.float64)[g].T
     return out
@@ -90,7 +75,7 @@ def test_tgmm_matches_float64_and_ragged_dot(case, dtype):
     assert not np.isnan(out64).any(), "NaN past sum(group_sizes) leaked"
     assert np.all(out64[sizes == 0] == 0.0), "empty groups must be exact zeros"
     if np.any(sizes):
-        kc.assert_close(out64, np_tgmm(x, dy, sizes), _tol(dtype), "vs float64")
+        kc.assert_close(out64, kc.np_tgmm(x, dy, sizes), _tol(dtype), "vs float64")
         kc.assert_close(out64, reference.tgmm(x, dy, jnp.asarray(sizes)).astype(F32),
                         _tol(dtype), "vs ragged_dot_general")
 
@@ -101,7 +86,7 @@ def test_tgmm_out_dtype_and_the_triton_dispatch():
     x, dy, sizes = _inputs((300, 32, 48, 4, "sum_lt_m"), BF16, seed=1)
     out = blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), out_dtype=F32)
     assert out.dtype == F32
-    kc.assert_close(out, np_tgmm(x, dy, sizes), kc.TOL_F32, "f32 out")
+    kc.assert_close(out, kc.np_tgmm(x, dy, sizes), kc.TOL_F32, "f32 out")
     for impl in ("xla", "triton"):
         got = vjp.tgmm(x, dy, jnp.asarray(sizes), impl, F32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(out))
@@ -138,7 +123,7 @@ def test_grouped_situ_glu_dgate_up_matches_float64():
 def test_tgmm_reads_a_column_range_in_place():
     x, dy, sizes = _inputs((90, 16, 40, 40, "zeros_skewed"), F32, seed=8)
     got = blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), columns=(8, 32))
-    kc.assert_close(got, np_tgmm(x, np.asarray(dy)[:, 8:32], sizes), kc.TOL_F32, "columns")
+    kc.assert_close(got, kc.np_tgmm(x, np.asarray(dy)[:, 8:32], sizes), kc.TOL_F32, "columns")
     with pytest.raises(ValueError, match="columns"):
         blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), columns=(8, 41))
 
@@ -161,7 +146,7 @@ def np_grads_fused(x, wg, wu, sizes, dh):
     """float64 (dx, dw_gate, dw_up) of sum(grouped_situ_glu * dh) (tail dh dropped)."""
     d_gate, d_up = np_dgate_up(x, wg, wu, sizes, dh)
     dx = np_matmul_nt(np.concatenate([d_gate, d_up], 1), (wg, wu), sizes)
-    return dx, np_tgmm(x, d_gate, sizes), np_tgmm(x, d_up, sizes)
+    return dx, kc.np_tgmm(x, d_gate, sizes), kc.np_tgmm(x, d_up, sizes)
 
 
 def _loss_grads(fn, cot, *args):
@@ -185,7 +170,7 @@ def test_xla_grads_match_float64(case, dtype):
     total = int(sizes.sum())
     tol = _tol(dtype)
     got = _loss_grads(lambda a, b: grouped_matmul(a, b, s, backend="xla"), cot, x, wg)
-    want = (np_matmul_nt(cot, (wg,), sizes), np_tgmm(x, cot, sizes))
+    want = (np_matmul_nt(cot, (wg,), sizes), kc.np_tgmm(x, cot, sizes))
     got_f = _loss_grads(lambda a, b, c: grouped_situ_glu(a, b, c, s, backend="xla", **SITU),
                         cot, x, wg, wu)
     want_f = np_grads_fused(x, wg, wu, sizes, cot)

@@ -53,29 +53,13 @@ def np_situ_grads(gate, up, dout, beta=kc.BETA, linear_beta=kc.LINEAR_BETA):
     return dout * d_gate, dout * d_up
 
 
-def _segments(sizes):
-    start = 0
-    for g, size in enumerate(np.asarray(sizes)):
-        yield g, slice(start, start + int(size))
-        start += int(size)
-
-
-def np_tgmm(x, dy, sizes) -> np.ndarray:
-    """float64 per-group x_g^T @ dy_g; empty groups 0."""
-    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
-    out = np.zeros((len(sizes), x64.shape[1], dy64.shape[1]))
-    for g, rows in _segments(sizes):
-        out[g] = x64[rows].T @ dy64[rows]
-    return out
-
-
 def np_grouped_matmul_grads(x, w, sizes, dy):
     """(dx, dw) of sum(grouped_matmul(x, w) * dy) in float64; tail rows of dx 0."""
     w64, dy64 = np.asarray(w, np.float64), np.asarray(dy, np.float64)
     dx = np.zeros(np.shape(x))
-    for g, rows in _segments(sizes):
+    for g, rows in kc.group_rows(sizes):
         dx[rows] = dy64[rows] @ w64[g].T
-    return dx, np_tgmm(x, dy, sizes)
+    return dx, kc.np_tgmm(x, dy, sizes)
 
 
 def np_grouped_situ_glu_grads(x, w_gate, w_up, sizes, dh, beta=kc.BETA,
@@ -158,7 +142,7 @@ def test_tgmm_interpret_matches_float64(case):
     assert out.dtype == x.dtype and out.shape == (len(sizes), x.shape[1], dy.shape[1])
     out64 = np.asarray(out.astype(F32), np.float64)
     assert np.all(out64[np.asarray(sizes) == 0] == 0.0), "empty groups must be exact zeros"
-    ref = np_tgmm(x, dy, sizes)
+    ref = kc.np_tgmm(x, dy, sizes)
     if np.any(sizes):
         kc.assert_close(out64, ref, kc.kernel_tol(x.dtype), _case_id(case))
     else:
@@ -172,7 +156,7 @@ def test_tgmm_reference_matches_float64(pattern):
     assert out.dtype == F32 and not np.isnan(np.asarray(out)).any()
     np.testing.assert_array_equal(np.asarray(out)[sizes == 0], 0.0)
     if np.any(sizes):
-        kc.assert_close(out, np_tgmm(x, dy, sizes), kc.TOL_F32, pattern)
+        kc.assert_close(out, kc.np_tgmm(x, dy, sizes), kc.TOL_F32, pattern)
 
 
 def test_tgmm_group_table():
