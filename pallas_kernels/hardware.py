@@ -39,6 +39,8 @@ class GpuHardware:
     nvlink_bus_bytes_per_s: float       # NCCL all-gather / reduce-scatter bus bandwidth, 8 GPUs
     nvlink_peak_bytes_per_s: float      # the data sheet's figure, one direction
     collective_latency_s: float         # fixed cost of one collective or one ring step
+    collective_sms: int                 # SMs a collective in flight keeps busy
+    gpus_per_node: int                  # GPUs on one NVLink / NVSwitch node
     sources: Mapping[str, str]
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ H200 = GpuHardware(
     nvlink_bus_bytes_per_s=365e9,
     nvlink_peak_bytes_per_s=450e9,
     collective_latency_s=10e-6,
+    collective_sms=20,
+    gpus_per_node=8,
     sources={
         "chip": "Hopper GH100 as in XLA's h100_sxm.txtpb target spec: 132 SMs, 228 KiB SMEM per SM "
                 "(227 KiB = 232,448 B opt-in per block), 64 K registers per SM, 50 MiB L2, "
@@ -89,5 +93,10 @@ H200 = GpuHardware(
                                    "each way (data sheet)",
         "hbm_peak_bytes_per_s": "4.8 TB/s HBM3e (NVIDIA H200 data sheet)",
         "collective_latency_s": "10 us per collective or ring step: an assumption, not measured",
+        "gpus_per_node": "HGX H200: 8 GPUs joined by NVSwitch (NVIDIA H200 data sheet)",
+        "collective_sms": "20 of the 132 SMs saturate a GPU's NVLink and InfiniBand bandwidth with "
+                          "communication kernels (DeepSeek-V3 Technical Report, arXiv 2412.19437, "
+                          "section 3.2.2); taken as what one NCCL collective in flight occupies, "
+                          "an assumption, not measured",
     },
 )

@@ -15,8 +15,9 @@ default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
 from k3jax.cli import bench, compile, make_checkpoint, plan, run  # noqa: E402
+from k3jax.cli import latency  # noqa: E402
 
-COMMANDS = (run, make_checkpoint, plan, bench, compile)
+COMMANDS = (run, make_checkpoint, plan, bench, compile, latency)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,19 +1,18 @@
-"""analysis.kernel_cost and analysis.shared_latency: the models' own
+"""analysis.kernel_cost: the model's own
 arithmetic against hand counts (tiles, bytes, flops, SM fill, the chained
 launch's overhead, the split-K tiles), and the one hardware description
-both read. What the tile search picks is not tested (the table's currency
-is: tests/kernels/test_tile_table.py)."""
+it and the layer latency model (analysis.layer_schedule) read. What the
+tile search picks is not tested (the table's currency is:
+tests/kernels/test_tile_table.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 import pytest
 
-from analysis import kernel_cost, shared_latency, tile_search
-from k3jax.config import K3
+from analysis import kernel_cost, layer_schedule, tile_search
 from pallas_kernels.grouped_matmul import mosaic_sm90
 from pallas_kernels.hardware import H200
 
@@ -85,37 +84,13 @@ def test_roofline_takes_the_longer_of_compute_and_memory():
 
 
 def test_both_models_read_the_one_hardware_description():
-    assert kernel_cost.DENSE_BF16_FLOPS == shared_latency.H200.matmul_flops_per_s \
-        == H200.dense_bf16_flops_per_s
-    assert kernel_cost.COPY_BYTES_PER_S == shared_latency.H200.hbm_bytes_per_s \
+    assert kernel_cost.DENSE_BF16_FLOPS == H200.dense_bf16_flops_per_s
+    assert kernel_cost.COPY_BYTES_PER_S == layer_schedule.NVLINK.hbm_bytes_per_s \
         == H200.hbm_copy_bytes_per_s
     assert kernel_cost.H200_NUM_SMS == H200.num_sms
     assert kernel_cost.SM_LANE_OPS_PER_S == H200.sm_lane_ops_per_s
-    assert shared_latency.H200.link_bytes_per_s == H200.nvlink_peak_bytes_per_s
-    assert shared_latency.H200.collective_latency_s == H200.collective_latency_s
-
-
-def test_shared_latency_counts_match_a_hand_count():
-    """Replicated at tp 4, 1000 tokens: R = 250 rows, up [250, 7168] @
-    [7168, 2F] and down [250, F] @ [F, 7168], each its roofline; sharded adds
-    the all-gather and reduce-scatter (bf16 rows + f32 sums) over the link."""
-    T, tp, D, F = 1000, 4, K3.hidden_size, K3.shared_intermediate_size
-    hw = shared_latency.H200
-    rep = shared_latency.estimate(K3, T, tp, shared_latency.SharedForm.REPLICATED)
-    R = math.ceil(T / tp)
-    flops = 2.0 * R * D * 2 * F + 2.0 * R * F * D
-    assert rep.flops == flops and rep.wire_bytes == 0 and rep.exposed_comm_s == 0
-    up_bytes = 2.0 * (D * 2 * F + R * D) + 2 * R * 2 * F
-    down_bytes = 2.0 * (F * D + R * F) + 2 * R * D
-    assert rep.hbm_bytes == up_bytes + down_bytes
-    assert rep.compute_s == pytest.approx(
-        max(2.0 * R * D * 2 * F / hw.matmul_flops_per_s, up_bytes / hw.hbm_bytes_per_s)
-        + max(2.0 * R * F * D / hw.matmul_flops_per_s, down_bytes / hw.hbm_bytes_per_s))
-    sharded = shared_latency.estimate(K3, T, tp, shared_latency.SharedForm.SHARDED)
-    wire = (tp - 1) * (R * D * 2 + R * D * 4)
-    assert sharded.wire_bytes == wire
-    assert sharded.exposed_comm_s == pytest.approx(2 * hw.collective_latency_s
-                                                   + wire / hw.link_bytes_per_s)
+    assert layer_schedule.NVLINK.bytes_per_s == H200.nvlink_bus_bytes_per_s
+    assert layer_schedule.NVLINK.latency_s == H200.collective_latency_s
 
 
 def test_search_targets_are_validated():

@@ -1,0 +1,176 @@
+"""``k3jax latency``: the whole-layer latency model's prediction
+(analysis.layer_latency) of one K3 MoE layer and the dense layer on one H200
+node, for every shared-expert form and the ``auto`` pick, against the
+replicated shared expert. A model's prediction, not a measurement."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from k3jax.cli.common import UsageError, report_errors
+
+DEFAULT_TOKENS = (8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_LAYOUTS = ((4, 1), (8, 1), (4, 2))          # (tp, dp), SP + EP
+TARGET_RATIO = 1.05
+LABEL = "model prediction (analysis.layer_latency), not a measurement"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("latency", help="the whole-layer latency model (a prediction)",
+                       description="Predict, with the whole-layer latency model, one K3 MoE layer "
+                                   "and the dense layer on one 8 x H200 node under sequence + "
+                                   "expert parallelism, for each shared-expert form (replicated, "
+                                   "none, ring, weights; float32 or bf16 scatter) and the auto "
+                                   "pick. Model predictions, not measurements.")
+    p.add_argument("--tp", type=int, nargs="+", default=None,
+                   help="tensor-parallel sizes (default: the layouts tp 4, tp 8, dp 2 x tp 4)")
+    p.add_argument("--dp", type=int, nargs="+", default=None,
+                   help="data-parallel sizes (default 1, with dp 2 x tp 4 in the default set)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+                   help="global token counts (default: %(default)s)")
+    p.add_argument("--layer", choices=("moe", "dense"), nargs="+", default=["moe", "dense"],
+                   help="which layers (default: both)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(main=main)
+
+
+def layouts_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(tp, dp) pairs: the default set, or --tp x --dp (dp 1 by default; with
+    only --dp, the default tps whose dp x tp fits one node)."""
+    if args.tp is None and args.dp is None:
+        return list(DEFAULT_LAYOUTS)
+    dps = args.dp or [1]
+    if args.tp is not None:
+        return [(tp, dp) for tp in args.tp for dp in dps]
+    from pallas_kernels.hardware import H200
+    tps = sorted({tp for tp, _ in DEFAULT_LAYOUTS})
+    return [(tp, dp) for tp in tps for dp in dps if tp * dp <= H200.gpus_per_node] or \
+        [(tps[0], dp) for dp in dps]
+
+
+def main(args: argparse.Namespace, prog: str) -> int:
+    return report_errors(lambda: _latency(args), prog)
+
+
+def _latency(args: argparse.Namespace) -> int:
+    bad = [t for t in args.tokens if t < 1]
+    if bad:
+        raise UsageError(f"--tokens {bad[0]}: the token count must be >= 1")
+    from analysis import layer_latency as ll
+    from k3jax.config import K3
+
+    layouts = layouts_from_args(args)
+    for tp, dp in layouts:
+        try:
+            ll.check_layout(K3, tp, dp, min(args.tokens))
+        except ValueError as e:
+            raise UsageError(f"--tp {tp} --dp {dp}: {e}") from None
+    result = run(K3, layouts, args.tokens, args.layer,
+                 progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_tables(result)
+    return 0
+
+
+def run(cfg, layouts, tokens, layers, progress=None) -> dict:
+    """The --json object: hardware (figures and sources), one row per
+    (layer, layout, tokens, form, scatter dtype), the auto pick per (layer,
+    layout, tokens), the module model against vLLM, and notes."""
+    from analysis import layer_latency as ll
+
+    rows, auto, notes, details = [], [], [], {}
+    for layer in layers:
+        for tp, dp in layouts:
+            if progress:
+                progress(f"k3jax latency: {layer} layer, tp {tp} dp {dp}, {len(tokens)} token counts")
+            for t in tokens:
+                ests, pick = ll.sweep(cfg, tp, dp, t, layer=layer)
+                for e in ests:
+                    rows.append({"layer": layer, "tp": tp, "dp": dp, "tokens": t,
+                                 "form": e.form.value, "scatter_dtype": e.scatter_dtype,
+                                 "layer_s": e.layer_s})
+                auto.append({"layer": layer, "tp": tp, "dp": dp, "tokens": t,
+                             "pick": pick.form.value, "scatter_dtype": pick.scatter_dtype,
+                             "layer_s": pick.layer_s, "replicated_s": pick.replicated_s,
+                             "ratio": pick.ratio})
+                details[(layer, tp, dp, t)] = {(e.form, e.scatter_dtype): e for e in ests}
+    for a in auto:
+        if a["ratio"] > TARGET_RATIO:
+            notes.append(_miss_note(a, details, ll))
+    moe_dp1 = [a for a in auto if a["layer"] == "moe" and a["dp"] == 1]
+    if moe_dp1 and all(a["ratio"] <= TARGET_RATIO for a in moe_dp1):
+        notes.append(f"MoE layer, dp 1: auto / replicated <= {TARGET_RATIO} at every token count "
+                     f"(largest {max(a['ratio'] for a in moe_dp1):.3f}; model prediction)")
+    validation = ll.vllm_validation(cfg)
+    worst = max(v["error_pp"] for v in validation)
+    notes.append(f"module model (shared expert alone, none, float32 scatter, nothing overlapped) "
+                 f"against vLLM's published tp {ll.VLLM_TP} points: largest error {worst:.1f} "
+                 f"percentage points (stated bound {ll.MODULE_ERROR_PP:.0f})")
+    return {"label": LABEL, "hardware": ll.hardware(), "rows": rows, "auto": auto,
+            "vllm_validation": validation, "notes": notes}
+
+
+def _miss_note(a: dict, details: dict, ll) -> str:
+    """Why no form reaches TARGET_RATIO here, with the arithmetic."""
+    ests = details[(a["layer"], a["tp"], a["dp"], a["tokens"])]
+    rep = a["replicated_s"]
+    best = ests[(ll.Form(a["pick"]), a["scatter_dtype"])].schedule
+    wire_us = best.wire_bytes / ll.NVLINK.bytes_per_s * 1e6
+    return (f"{a['layer']} tp {a['tp']} dp {a['dp']} T {a['tokens']}: no form reaches "
+            f"{TARGET_RATIO} x replicated ({rep * 1e6:.1f} us, so {TARGET_RATIO * rep * 1e6:.1f} us): "
+            f"the fastest, {a['pick']}/{a['scatter_dtype'] or '-'}, computes {best.compute_s * 1e6:.1f} "
+            f"us and moves {best.wire_bytes / 1e6:.1f} MB a device ({wire_us:.1f} "
+            f"us at {ll.NVLINK.bytes_per_s / 1e9:.0f} GB/s), exposing {best.exposed_s * 1e6:.1f} us: "
+            f"{a['layer_s'] * 1e6:.1f} us, {a['ratio']:.3f} x (model prediction)")
+
+
+def _short(form: str, scatter: str | None) -> str:
+    return form + {"float32": " f32", "bfloat16": " bf16", None: ""}[scatter]
+
+
+def print_tables(result: dict, file=None) -> None:
+    """One table per (layer, tp, dp): microseconds per form, the auto pick and its ratio."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=160)
+    console.print(f"[bold]k3jax latency[/bold]: {result['label']}", highlight=False)
+    hw = result["hardware"]
+    console.print(f"{hw['name']}: dense bf16 {hw['dense_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, HBM "
+                  f"{hw['hbm_copy_bytes_per_s'] / 1e12:.1f} TB/s, NVLink bus "
+                  f"{hw['nvlink_bus_bytes_per_s'] / 1e9:.0f} GB/s, {hw['collective_latency_s'] * 1e6:.0f} "
+                  f"us a collective, {hw['collective_sms']} of {hw['num_sms']} SMs a collective "
+                  "(sources: --json)", highlight=False)
+    columns = [("replicated", None), ("none", "float32"), ("none", "bfloat16"), ("ring", "float32"),
+               ("ring", "bfloat16"), ("weights", None)]
+    keys = sorted({(r["layer"], r["tp"], r["dp"]) for r in result["rows"]},
+                  key=lambda k: (k[0] != "moe", k[1], k[2]))
+    for layer, tp, dp in keys:
+        console.print(f"\n[bold]{layer} layer[/bold], SP + EP, tp {tp} dp {dp}: predicted us per "
+                      "device (model prediction)", highlight=False)
+        table = Table()
+        for name in ["tokens"] + [_short(f, s) for f, s in columns] + ["auto", "auto / rep"]:
+            table.add_column(name, justify="right")
+        for a in (a for a in result["auto"] if (a["layer"], a["tp"], a["dp"]) == (layer, tp, dp)):
+            cells = {(r["form"], r["scatter_dtype"]): r["layer_s"] for r in result["rows"]
+                     if (r["layer"], r["tp"], r["dp"], r["tokens"]) == (layer, tp, dp, a["tokens"])}
+            table.add_row(str(a["tokens"]), *[f"{cells[c] * 1e6:.1f}" for c in columns],
+                          _short(a["pick"], a["scatter_dtype"]), f"{a['ratio']:.3f}")
+        console.print(table)
+    console.print("\n[bold]Shared expert alone[/bold], none (float32 scatter, nothing overlapped) vs "
+                  "replicated, tp 4: model prediction against vLLM's published points",
+                  highlight=False)
+    vtable = Table()
+    for name in ("tokens", "model %", "vLLM %", "error (pp)"):
+        vtable.add_column(name, justify="right")
+    for v in result["vllm_validation"]:
+        published = (f"{v['vllm_low_pct']:+.0f}" if v["vllm_low_pct"] == v["vllm_high_pct"]
+                     else f"{v['vllm_low_pct']:+.0f} .. {v['vllm_high_pct']:+.0f}")
+        vtable.add_row(str(v["tokens"]), f"{v['predicted_pct']:+.1f}", published, f"{v['error_pp']:.1f}")
+    console.print(vtable)
+    for note in result["notes"]:
+        console.print(f"note: {note}", highlight=False)
