@@ -92,9 +92,10 @@ def load_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequen
 
 def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP | KimiMoE]:
     modules = []
-    for layer, layout, _, source in plans:
+    for layer, layout, decls, source in plans:
         source.on_block = on_block
         try:
+            source.read_ahead(decls, mesh)
             modules.append(build_layer(layout, layer, mesh, source=source))
         finally:
             source.close()

@@ -8,8 +8,10 @@ piece (one expert's slice, one tensor's slice) is read once, straight into
 its place, by a pool of worker threads (pieces of one block in parallel, a
 large piece split into chunks), and checked there (NaN / inf on the bits,
 MXFP4 scales). The block goes to its devices without a host copy, and the
-transpose to the parameter's [in, out] orientation runs on the device. The
-transfer and transpose of one block overlap the reading of the next; at
+transpose to the parameter's [in, out] orientation runs on the device. With
+``read_ahead`` a thread reads the blocks in the order they will be placed,
+so reading overlaps the transfer and transposes of the block before (and,
+on an accelerator, device_put and the transposes run asynchronously); at
 most two blocks are on the host at a time. No process ever materialises a
 whole layer, nor even its whole share of one parameter.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import queue
+import threading
 from typing import Callable, Sequence
 
 import jax
@@ -45,24 +49,77 @@ def local_blocks(shape: Sequence[int], sharding: NamedSharding
     return list(groups.values())
 
 
+def _block_key(index, shape) -> tuple:
+    return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
 @functools.partial(jax.jit, inline=True)
-def _swap_last_axes(x):
+def swap_last_axes(x):
+    """[..., a, b] -> [..., b, a] where ``x`` lies (the loader's on-device transpose)."""
     return jnp.swapaxes(x, -1, -2)
 
 
 class _InFlight:
-    """The host block whose transfer may still run, and its device arrays."""
+    """The host block whose transfer may still run, and its device arrays;
+    ``on_drop()``, when set, is called each time a held block is dropped."""
 
     def __init__(self):
         self.block: np.ndarray | None = None
         self.arrays: list[jax.Array] = []
+        self.on_drop: Callable[[], None] | None = None
 
     def replace(self, block: np.ndarray | None, arrays: list[jax.Array]) -> None:
         """Wait for the previous block's device work, drop it, hold the new one."""
         if self.arrays:
             jax.block_until_ready(self.arrays)   # copied (or transposed) before it is dropped
+        dropped = self.block is not None
         self.block, self.arrays = block, arrays
         gc.collect(0)   # jax drops its reference to a copied host block in a gc hook (jax#14882)
+        if dropped and self.on_drop is not None:
+            self.on_drop()
+
+
+class _Prefetcher:
+    """Reads the blocks of a plan ((key, read arguments) in the order they
+    will be placed) on one thread, ahead of the caller: at most ``slots``
+    blocks are read and not yet released. ``take(key)`` returns the next
+    block (re-raising the thread's error); ``release()`` frees a slot."""
+
+    def __init__(self, read_block: Callable[..., np.ndarray], plan: list, slots: int = 2):
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(slots)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(read_block, plan), daemon=True,
+                                        name="k3jax-prefetch")
+        self._thread.start()
+
+    def _run(self, read_block, plan) -> None:
+        for key, args in plan:
+            while not self._slots.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self._queue.put((key, read_block(*args)))
+            except BaseException as e:   # handed to the caller, which raises it
+                self._queue.put((key, e))
+                return
+
+    def take(self, key) -> np.ndarray:
+        got, value = self._queue.get()
+        if isinstance(value, BaseException):
+            raise value
+        if got != key:
+            raise RuntimeError(f"checkpoint loader: block {got} was read ahead of {key}")
+        return value
+
+    def release(self) -> None:
+        self._slots.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
@@ -87,7 +144,7 @@ def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
         block = read(index)
         placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
         if transpose:
-            placed = [_swap_last_axes(a) for a in placed]
+            placed = [swap_last_axes(a) for a in placed]
         in_flight.replace(block, placed)
         arrays += placed
         del block, placed
@@ -119,6 +176,7 @@ class CheckpointSource:
         self._own_workers = workers is None
         self.workers = Workers() if workers is None else workers
         self._in_flight = _InFlight()
+        self._prefetch: _Prefetcher | None = None
         self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
 
     @property
@@ -135,6 +193,26 @@ class CheckpointSource:
         for decl in decls:
             self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
 
+    def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> None:
+        """Start reading the blocks of ``decls`` (checked, in the order they
+        will be asked for, on ``mesh``) on a thread, so that reading overlaps
+        the transfer and transposes of the blocks before; at most two host
+        blocks at a time."""
+        plan = []
+        for decl in decls:
+            sharding = NamedSharding(mesh, decl.spec)
+            for index, _ in local_blocks(decl.shape, sharding):
+                plan.append(((decl.name, _block_key(index, decl.shape)),
+                             (decl, self.tensors[decl.name], self._stored[decl.name], index)))
+        self._prefetch = _Prefetcher(self._read_counted, plan)
+        self._in_flight.on_drop = self._prefetch.release
+
+    def _read_counted(self, decl, ref, stored, index) -> np.ndarray:
+        block = self._read_block(decl, ref, stored, index)
+        if self.on_block is not None:
+            self.on_block(block.nbytes)
+        return block
+
     def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
         ref = self.tensors[decl.name]
         if decl.name not in self._stored:
@@ -142,10 +220,9 @@ class CheckpointSource:
         stored = self._stored[decl.name]
 
         def read(index):
-            block = self._read_block(decl, ref, stored, index)
-            if self.on_block is not None:
-                self.on_block(block.nbytes)
-            return block
+            if self._prefetch is not None:
+                return self._prefetch.take((decl.name, _block_key(index, decl.shape)))
+            return self._read_counted(decl, ref, stored, index)
         return place_blocks(decl.shape, sharding, read, transpose=ref.transpose,
                             in_flight=self._in_flight)
 
@@ -153,8 +230,12 @@ class CheckpointSource:
         """Wait for the device work of the last block and drop it; stop the
         workers when this source made them."""
         try:
+            if self._prefetch is not None:
+                self._prefetch.close()
             self._in_flight.replace(None, [])
         finally:
+            self._prefetch = None
+            self._in_flight.on_drop = None
             if self._own_workers:
                 self.workers.close()
 

@@ -85,16 +85,23 @@ def _bench(args: argparse.Namespace) -> int:
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                                 mxfp4=args.mxfp4, workers=args.workers)
         jax.block_until_ready(jax.tree.leaves(nnx.state(module)))
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        transposed[:] = _transposed_params(module, layer)
+        return seconds
+    transposed: list = []
 
     load()                                   # warms the page cache and compiles the transposes
     regions = reader.take_regions()
     nbytes = sum(n for _, _, n in regions)
     raw_read(reader, regions)                # warm
-    loader_s, raw_s = [], []
+    if not args.json:
+        _time_transposes(transposed)         # compiles the peer's transposes
+    loader_s, raw_s, transpose_s = [], [], []
     for _ in range(args.repeat):
         loader_s.append(load())
         raw_s.append(raw_read(reader, regions))
+        if not args.json:
+            transpose_s.append(_time_transposes(transposed))
     loader = nbytes / statistics.median(loader_s) / 1e9
     raw = nbytes / statistics.median(raw_s) / 1e9
     if args.json:
@@ -111,7 +118,35 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"raw read: {raw:8.3f} GB/s  (median of {args.repeat}: {statistics.median(raw_s):.3f} s; "
           f"one thread, readinto a reused buffer)")
     print(f"ratio:    {loader / raw:8.3f}")
+    moved = sum(a.nbytes for a in transposed)
+    if moved:
+        print(f"peer: the on-device transposes alone, {moved / 1e9:.3f} GB of the layer's "
+              f"parameters, {moved / statistics.median(transpose_s) / 1e9:.3f} GB/s (median of "
+              f"{args.repeat}: {statistics.median(transpose_s):.3f} s)")
     return 0
+
+
+def _transposed_params(module, layer: int) -> list:
+    """The module's parameters that the loader transposes on the device."""
+    from flax import nnx
+
+    from k3jax.checkpoint.names import layer_tensors
+
+    refs = layer_tensors(module.__class__.__name__ == "KimiMoE")
+    return [v.get_value() for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
+            if refs[".".join(map(str, path))].transpose]
+
+
+def _time_transposes(arrays: list) -> float:
+    """Seconds to swap the last two axes of each array once on its devices
+    (the loader's on-device step, compiled by its warm-up)."""
+    import jax
+
+    from k3jax.checkpoint.source import swap_last_axes
+
+    t0 = time.perf_counter()
+    jax.block_until_ready([swap_last_axes(a) for a in arrays])
+    return time.perf_counter() - t0
 
 
 def _recording_reader(directory: str):
