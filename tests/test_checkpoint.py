@@ -252,8 +252,8 @@ def test_tp8_reads_slices_into_padded_blocks(f32, eight_devices, monkeypatch):
     reader = CheckpointReader(d)
     reads = []
     original = reader.read
-    monkeypatch.setattr(reader, "read", lambda name, index=None: (
-        reads.append((name, index)), original(name, index))[1])
+    monkeypatch.setattr(reader, "read", lambda name, index=None, **kw: (
+        reads.append((name, index)), original(name, index, **kw))[1])
     parallel = ParallelConfig(tp=8)
     moe = load_layer(reader, 1, parallel, make_mesh(parallel, eight_devices), backend="xla")
     w1 = moe.w1_ELF[...]
@@ -282,8 +282,8 @@ def test_ep_reads_only_local_experts(f32, eight_devices, monkeypatch):
     reader = CheckpointReader(d)
     reads = []
     original = reader.read
-    monkeypatch.setattr(reader, "read", lambda name, index=None: (
-        reads.append(name), original(name, index))[1])
+    monkeypatch.setattr(reader, "read", lambda name, index=None, **kw: (
+        reads.append(name), original(name, index, **kw))[1])
     parallel = ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True)
     moe = load_layer(reader, 1, parallel, make_mesh(parallel, eight_devices), backend="xla")
     w3 = moe.w3_ELF[...]

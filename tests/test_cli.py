@@ -122,12 +122,16 @@ def test_make_checkpoint_mxfp4_runs(tmp_path, x_path):
 def test_make_checkpoint_errors(ckpt, tmp_path, capsys):
     assert main(["make-checkpoint", str(ckpt)]) == 2                 # not empty
     assert "is not an empty directory" in one_line_error(capsys.readouterr().err)
-    for preset in ("k3", "huge"):              # k3 (~1 TB of weights) is not offered
-        with pytest.raises(SystemExit) as e:
-            main(["make-checkpoint", str(tmp_path / preset), "--preset", preset])
-        assert e.value.code == 2
-        assert f"invalid choice: '{preset}'" in one_line_error(capsys.readouterr().err)
-        assert not os.path.exists(tmp_path / preset)
+    with pytest.raises(SystemExit) as e:
+        main(["make-checkpoint", str(tmp_path / "huge"), "--preset", "huge"])
+    assert e.value.code == 2
+    assert "invalid choice: 'huge'" in one_line_error(capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "huge")
+    # k3 (~1 TB of weights) only with --num-experts
+    assert main(["make-checkpoint", str(tmp_path / "k3"), "--preset", "k3"]) == 2
+    assert "--preset k3 is ~1 TB of weights: give --num-experts N" in one_line_error(
+        capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "k3")
 
 
 # -- run ------------------------------------------------------------------------

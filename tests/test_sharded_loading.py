@@ -54,8 +54,8 @@ class RecordingReader(CheckpointReader):
         super().__init__(directory)
         self.reads: list[tuple[str, tuple, int]] = []
 
-    def read(self, name, index=None):
-        value = super().read(name, index)
+    def read(self, name, index=None, out=None, workers=None):
+        value = super().read(name, index, out, workers)
         if index is None:
             region = tuple((0, n) for n in value.shape)
         else:

@@ -1,19 +1,21 @@
-"""load_layer: one checkpoint layer as a module, placed by the layout."""
+"""load_layer / load_layers: checkpoint layers as modules, placed by the layout."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from k3jax.checkpoint.host import Workers
 from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource, local_blocks
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
+from k3jax.modules.params import ParamDecl
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
@@ -22,7 +24,8 @@ Mxfp4Mode = Literal["packed", "dequantize"]
 def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
                parallel: ParallelConfig = ParallelConfig(), mesh=None, *,
                dtype=jnp.float32, backend: Backend = "auto",
-               mxfp4: Mxfp4Mode = "packed", progress: bool = False) -> KimiMLP | KimiMoE:
+               mxfp4: Mxfp4Mode = "packed", progress: bool = False,
+               workers: int | None = None) -> KimiMLP | KimiMoE:
     """Layer ``layer`` (0 = dense MLP, >= 1 = MoE for K3) of a checkpoint
     directory, each device's shard read straight from the files.
 
@@ -31,32 +34,76 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     in device memory (``mxfp4="packed"``, 0.53125 B per parameter,
     dequantized in the forward) or are dequantized to ``dtype`` on load
     (``"dequantize"``). ``progress`` shows a bar on a terminal's stderr, in
-    bytes read. The Layout is made here, once, from the checkpoint's config,
+    bytes read. ``workers`` threads read (default: one per core this process
+    may use). The Layout is made here, once, from the checkpoint's config,
     ``mesh`` (which resolves ``backend``), ``dtype`` and the expert storage
     (ExpertStorage.MXFP4 for packed MXFP4 experts, MXFP4_DEQUANT for MXFP4
     experts dequantized on load, DENSE for float experts); the module reads
     it. Raises k3jax.layout.LayoutError when ``parallel`` cannot hold the
     layer (its subclass Mxfp4ShardError when only packed MXFP4 cannot:
-    ``mxfp4="dequantize"`` avoids it), CheckpointError for a checkpoint problem."""
+    ``mxfp4="dequantize"`` avoids it), CheckpointError for a checkpoint
+    problem (no module is returned then)."""
+    (module,) = load_layers(checkpoint, [layer], parallel, mesh, dtype=dtype, backend=backend,
+                            mxfp4=mxfp4, progress=progress, workers=workers)
+    return module
+
+
+def load_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequence[int],
+                parallel: ParallelConfig = ParallelConfig(), mesh=None, *,
+                dtype=jnp.float32, backend: Backend = "auto",
+                mxfp4: Mxfp4Mode = "packed", progress: bool = False,
+                workers: int | None = None) -> list[KimiMLP | KimiMoE]:
+    """``load_layer`` for each of ``layers``, in order, on one mesh: the
+    headers of every tensor of every layer are checked before any data is
+    read, and one progress bar (bytes) covers all of them. A checkpoint
+    problem in any layer raises before any module is returned."""
     if mxfp4 not in ("packed", "dequantize"):
         raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError("load_layers: no layers given")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
-    source = CheckpointSource(reader, layer)
-    experts = ExpertStorage.DENSE
-    if source.experts_are_mxfp4:
-        experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
     mesh = make_mesh(parallel) if mesh is None else mesh
-    layout = make_layout(reader.config, parallel, mesh, backend=backend, experts=experts,
-                         dtype=dtype)
-    decls = layer_decls(layout, layer)
-    source.check(decls)
-    if not progress:
-        return build_layer(layout, layer, mesh, source=source)
-    from tqdm import tqdm
-    total = sum(math.prod(len(range(*s.indices(n))) for s, n in zip(index, d.shape))
-                * np.dtype(d.dtype).itemsize
-                for d in decls for index, _ in local_blocks(d.shape, NamedSharding(mesh, d.spec)))
-    with tqdm(total=total, desc=f"loading layer {layer}", unit="B", unit_scale=True,
-              unit_divisor=1024, disable=None, leave=False) as bar:
-        source.on_block = bar.update
-        return build_layer(layout, layer, mesh, source=source)
+    pool = Workers(workers)
+    plans = []
+    for layer in layers:
+        source = CheckpointSource(reader, layer, workers=pool)
+        experts = ExpertStorage.DENSE
+        if source.experts_are_mxfp4:
+            experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
+        layout = make_layout(reader.config, parallel, mesh, backend=backend, experts=experts,
+                             dtype=dtype)
+        decls = layer_decls(layout, layer)
+        source.check(decls)
+        plans.append((layer, layout, decls, source))
+    try:
+        if not progress:
+            return _build(plans, mesh, None)
+        from tqdm import tqdm
+        total = sum(local_bytes(decls, mesh) for _, _, decls, _ in plans)
+        desc = (f"loading layer {layers[0]}" if len(layers) == 1
+                else f"loading {len(layers)} layers")
+        with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                  disable=None, leave=False) as bar:
+            return _build(plans, mesh, bar.update)
+    finally:
+        pool.close()
+
+
+def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP | KimiMoE]:
+    modules = []
+    for layer, layout, decls, source in plans:
+        source.on_block = on_block
+        try:
+            source.read_ahead(decls, mesh)
+            modules.append(build_layer(layout, layer, mesh, source=source))
+        finally:
+            source.close()
+    return modules
+
+
+def local_bytes(decls: Sequence[ParamDecl], mesh) -> int:
+    """Bytes of the distinct blocks of ``decls`` that this process's devices hold."""
+    return sum(math.prod(len(range(*s.indices(n))) for s, n in zip(index, d.shape))
+               * np.dtype(d.dtype).itemsize
+               for d in decls for index, _ in local_blocks(d.shape, NamedSharding(mesh, d.spec)))

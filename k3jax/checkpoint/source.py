@@ -2,26 +2,39 @@
 
 Each parameter is assembled by ``place_blocks``: for every distinct device
 block this process holds, ``_read_block`` reads exactly that block's region
-of the stored tensors (safetensors slicing), transposes, fills experts in
-place, dequantizes MXFP4 and writes the zero padding; the block goes to its
-devices before the next is read. No process ever materialises a whole layer,
-nor even its whole share of one parameter.
+of the stored tensors into one host buffer in the STORED orientation
+([out, in] per weight, experts stacked, zero padding written): each stored
+piece (one expert's slice, one tensor's slice) is read once, straight into
+its place, by a pool of worker threads (pieces of one block in parallel, a
+large piece split into chunks), and checked there (NaN / inf on the bits,
+MXFP4 scales). The block goes to its devices without a host copy, and the
+transpose to the parameter's [in, out] orientation runs on the device. With
+``read_ahead`` a thread reads the blocks in the order they will be placed,
+so reading overlaps the transfer and transposes of the block before (and,
+on an accelerator, device_put and the transposes run asynchronously); at
+most two blocks are on the host at a time. No process ever materialises a
+whole layer, nor even its whole share of one parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
+import queue
+import threading
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from k3jax.checkpoint.host import Workers, aligned_empty, first_nonfinite
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
-from k3jax.checkpoint.reader import FLOAT_DTYPES, CheckpointError, CheckpointReader
+from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
-from pallas_kernels.mxfp4 import BLOCK_SIZE, dequant_numpy, validate_scales
+from pallas_kernels.mxfp4 import BLOCK_SIZE, SCALE_NAN, dequant_numpy, validate_scales
 
 
 def local_blocks(shape: Sequence[int], sharding: NamedSharding
@@ -36,33 +49,119 @@ def local_blocks(shape: Sequence[int], sharding: NamedSharding
     return list(groups.values())
 
 
-def place_blocks(shape: Sequence[int], sharding: NamedSharding, read) -> jax.Array:
-    """``jax.make_array_from_callback(shape, sharding, read)``, one block at a time.
+def _block_key(index, shape) -> tuple:
+    return tuple(s.indices(n) for s, n in zip(index, shape))
 
-    Each distinct block among this process's devices is read once, put on
-    the devices that hold it, and dropped before the next is read: host memory
-    beyond the device buffers peaks near one block. (make_array_from_callback
+
+@functools.partial(jax.jit, inline=True)
+def swap_last_axes(x):
+    """[..., a, b] -> [..., b, a] where ``x`` lies (the loader's on-device transpose)."""
+    return jnp.swapaxes(x, -1, -2)
+
+
+class _InFlight:
+    """The host block whose transfer may still run, and its device arrays;
+    ``on_drop()``, when set, is called each time a held block is dropped."""
+
+    def __init__(self):
+        self.block: np.ndarray | None = None
+        self.arrays: list[jax.Array] = []
+        self.on_drop: Callable[[], None] | None = None
+
+    def replace(self, block: np.ndarray | None, arrays: list[jax.Array]) -> None:
+        """Wait for the previous block's device work, drop it, hold the new one."""
+        if self.arrays:
+            jax.block_until_ready(self.arrays)   # copied (or transposed) before it is dropped
+        dropped = self.block is not None
+        self.block, self.arrays = block, arrays
+        gc.collect(0)   # jax drops its reference to a copied host block in a gc hook (jax#14882)
+        if dropped and self.on_drop is not None:
+            self.on_drop()
+
+
+class _Prefetcher:
+    """Reads the blocks of a plan ((key, read arguments) in the order they
+    will be placed) on one thread, ahead of the caller: at most ``slots``
+    blocks are read and not yet released. ``take(key)`` returns the next
+    block (re-raising the thread's error); ``release()`` frees a slot."""
+
+    def __init__(self, read_block: Callable[..., np.ndarray], plan: list, slots: int = 2):
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(slots)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(read_block, plan), daemon=True,
+                                        name="k3jax-prefetch")
+        self._thread.start()
+
+    def _run(self, read_block, plan) -> None:
+        for key, args in plan:
+            while not self._slots.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self._queue.put((key, read_block(*args)))
+            except BaseException as e:   # handed to the caller, which raises it
+                self._queue.put((key, e))
+                return
+
+    def take(self, key) -> np.ndarray:
+        got, value = self._queue.get()
+        if isinstance(value, BaseException):
+            raise value
+        if got != key:
+            raise RuntimeError(f"checkpoint loader: block {got} was read ahead of {key}")
+        return value
+
+    def release(self) -> None:
+        self._slots.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
+                 transpose: bool = False, in_flight: _InFlight | None = None) -> jax.Array:
+    """``jax.make_array_from_callback(shape, sharding, read)``, one block at a
+    time; ``read(index)`` gives the block with its last two axes swapped when
+    ``transpose`` (swapped back on the device).
+
+    Each distinct block among this process's devices is read once and put on
+    the devices that hold it; its device work is awaited (and the host block
+    dropped) after the NEXT block is read, so host memory beyond the device
+    buffers peaks near two blocks. ``in_flight`` carries that last block
+    across parameters (the caller calls ``in_flight.replace(None, [])`` at
+    the end); without it, the last block is awaited here. (make_array_from_callback
     keeps every local block of the parameter on the host until all are read,
     and reads a block once per device when it is replicated over a mesh axis.)"""
     shape = tuple(shape)
+    own = in_flight is None
+    in_flight = _InFlight() if own else in_flight
     arrays = []
     for index, devices in local_blocks(shape, sharding):
         block = read(index)
         placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
-        jax.block_until_ready(placed)   # copied to an accelerator before the block is dropped
+        if transpose:
+            placed = [swap_last_axes(a) for a in placed]
+        in_flight.replace(block, placed)
         arrays += placed
         del block, placed
-        gc.collect(0)   # jax drops its reference to a copied host block in a gc hook (jax#14882)
+    if own:
+        in_flight.replace(None, [])
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 class CheckpointSource:
     """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``.
 
-    ``on_block(nbytes)``, when given, is called after each device block is read."""
+    ``on_block(nbytes)``, when given, is called after each device block is
+    read. ``workers`` (default: a pool of one thread per core) read the
+    pieces of a block; call ``close()`` after the last parameter."""
 
     def __init__(self, reader: CheckpointReader, layer: int,
-                 on_block: Callable[[int], None] | None = None):
+                 on_block: Callable[[int], None] | None = None, workers: Workers | None = None):
         """Raises CheckpointError for a layer index out of range."""
         cfg = reader.config
         if not 0 <= layer < cfg.num_hidden_layers:
@@ -74,6 +173,10 @@ class CheckpointSource:
         self.prefix = layer_prefix(layer, self.is_moe)
         self.tensors = layer_tensors(self.is_moe)
         self.on_block = on_block
+        self._own_workers = workers is None
+        self.workers = Workers() if workers is None else workers
+        self._in_flight = _InFlight()
+        self._prefetch: _Prefetcher | None = None
         self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
 
     @property
@@ -90,6 +193,26 @@ class CheckpointSource:
         for decl in decls:
             self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
 
+    def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> None:
+        """Start reading the blocks of ``decls`` (checked, in the order they
+        will be asked for, on ``mesh``) on a thread, so that reading overlaps
+        the transfer and transposes of the blocks before; at most two host
+        blocks at a time."""
+        plan = []
+        for decl in decls:
+            sharding = NamedSharding(mesh, decl.spec)
+            for index, _ in local_blocks(decl.shape, sharding):
+                plan.append(((decl.name, _block_key(index, decl.shape)),
+                             (decl, self.tensors[decl.name], self._stored[decl.name], index)))
+        self._prefetch = _Prefetcher(self._read_counted, plan)
+        self._in_flight.on_drop = self._prefetch.release
+
+    def _read_counted(self, decl, ref, stored, index) -> np.ndarray:
+        block = self._read_block(decl, ref, stored, index)
+        if self.on_block is not None:
+            self.on_block(block.nbytes)
+        return block
+
     def __call__(self, decl: ParamDecl, sharding: NamedSharding) -> jax.Array:
         ref = self.tensors[decl.name]
         if decl.name not in self._stored:
@@ -97,11 +220,24 @@ class CheckpointSource:
         stored = self._stored[decl.name]
 
         def read(index):
-            block = self._read_block(decl, ref, stored, index)
-            if self.on_block is not None:
-                self.on_block(block.nbytes)
-            return block
-        return place_blocks(decl.shape, sharding, read)
+            if self._prefetch is not None:
+                return self._prefetch.take((decl.name, _block_key(index, decl.shape)))
+            return self._read_counted(decl, ref, stored, index)
+        return place_blocks(decl.shape, sharding, read, transpose=ref.transpose,
+                            in_flight=self._in_flight)
+
+    def close(self) -> None:
+        """Wait for the device work of the last block and drop it; stop the
+        workers when this source made them."""
+        try:
+            if self._prefetch is not None:
+                self._prefetch.close()
+            self._in_flight.replace(None, [])
+        finally:
+            self._prefetch = None
+            self._in_flight.on_drop = None
+            if self._own_workers:
+                self.workers.close()
 
     # -- validation -------------------------------------------------------------
     def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
@@ -143,10 +279,20 @@ class CheckpointSource:
 
     # -- reading one device block ------------------------------------------------
     def _read_block(self, decl: ParamDecl, ref: TensorRef, stored: dict, index) -> np.ndarray:
+        """The block ``index`` of ``decl``, with its last two axes swapped when
+        ``ref.transpose`` (the stored [out, in] orientation), as one aligned
+        host array; padding entries are zero."""
         ranges = [range(*s.indices(n)) for s, n in zip(index, decl.shape)]
-        block_shape = tuple(len(r) for r in ranges)
-        out = np.zeros(block_shape, dtype=np.dtype(decl.dtype))
-        keep = [slice(None)] * len(ranges)
+        nd = len(ranges)
+
+        def host(items):   # per-axis items of the trailing axes, param -> stored order
+            items = list(items)
+            if ref.transpose:
+                items[-2:] = items[-2:][::-1]
+            return items
+        out = aligned_empty(host([len(r) for r in ranges]), decl.dtype,
+                            zero=decl.padding is not None)
+        keep: list = [slice(None)] * nd               # param coordinates
         src_ranges = list(ranges)
         if decl.padding is not None:       # padded axis: real entries -> stored rows
             ax = decl.padding.axis
@@ -156,45 +302,50 @@ class CheckpointSource:
             if not real:
                 return out
             src_ranges[ax] = range(src[real[0]], src[real[-1]] + 1)
-            keep[ax] = np.array(real)
-        if ref.per_expert and isinstance(keep[0], slice):  # expert by expert, into the block
-            rest = tuple(keep[1:])
-            for j, e in enumerate(src_ranges[0]):
-                out[j][rest] = self._read_2d(ref.name(self.prefix, e), stored[e], ref.transpose,
-                                             src_ranges[1:])
-            return out
-        out[tuple(keep)] = self._read_logical(ref, stored, src_ranges)   # casts to out.dtype
+            keep[ax] = (slice(real[0], real[-1] + 1) if real[-1] - real[0] + 1 == len(real)
+                        else np.array(real))
+        inner = slice(1, None) if ref.per_expert else slice(None)
+        inner_keep = tuple(host(keep[inner]))
+        index_of = [slice(r.start, r.stop) for r in host(src_ranges[inner])]
+        if ref.per_expert:
+            self.workers.run([functools.partial(self._fill, ref.name(self.prefix, e), stored[e],
+                                                index_of, out[j], inner_keep, None)
+                              for j, e in enumerate(src_ranges[0])])
+        else:
+            self._fill(ref.name(self.prefix), stored[None], index_of, out, inner_keep, self.workers)
         return out
 
-    def _read_logical(self, ref: TensorRef, stored: dict, ranges: Sequence[range]) -> np.ndarray:
-        """The unpadded parameter region ``ranges`` ([in, out] orientation)."""
-        if ref.per_expert:
-            return np.stack([self._read_2d(ref.name(self.prefix, e), stored[e], ref.transpose,
-                                           ranges[1:]) for e in ranges[0]])
-        return self._read_2d(ref.name(self.prefix), stored[None], ref.transpose, ranges)
-
-    def _read_2d(self, name: str, is_mxfp4: bool, transpose: bool, ranges) -> np.ndarray:
-        stored_ranges = list(reversed(ranges)) if transpose else list(ranges)
-        index = [slice(r.start, r.stop) for r in stored_ranges]
+    def _fill(self, name: str, is_mxfp4: bool, index: list[slice], dest: np.ndarray,
+              keep: tuple, workers: Workers | None) -> None:
+        """Read stored region ``index`` of ``name`` (decoding MXFP4) into
+        ``dest[keep]``, and check it; straight into place when it can be."""
         if is_mxfp4:
-            block = self._read_mxfp4(name, index)
-        else:
-            block = self.reader.read(name, index)
-            if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
-                self._validate_scales(name, block)
-            elif block.dtype != np.uint8:
-                self._check_finite(name, block, index)
-        return block.T if transpose else block
+            dest[keep] = self._read_mxfp4(name, index)   # casts to dest.dtype
+            return
+        stored_dtype = STORED_DTYPES[self.reader.info(name)[0]]
+        target = dest[keep] if all(isinstance(k, slice) for k in keep) else None
+        direct = (target is not None and stored_dtype == dest.dtype
+                  and target.strides[-1] == dest.itemsize)
+        block = self.reader.read(name, index, out=target if direct else None, workers=workers)
+        if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
+            self._validate_scales(name, block)
+        elif block.dtype != np.uint8:
+            self._check_finite(name, block, index, workers)
+        if not direct:
+            dest[keep] = block                           # casts to dest.dtype
 
-    def _check_finite(self, name: str, block: np.ndarray, index: list[slice]) -> None:
-        """Reject NaN or inf weights, naming the tensor and the first bad element.
-        (min and max carry NaN and inf through without a temporary array.)"""
-        if block.size and not (np.isfinite(block.min()) and np.isfinite(block.max())):
-            at = [int(i) + s.start for i, s in zip(np.argwhere(~np.isfinite(block))[0], index)]
+    def _check_finite(self, name: str, block: np.ndarray, index: list[slice],
+                      workers: Workers | None = None) -> None:
+        """Reject NaN or inf weights, naming the tensor and the first bad element."""
+        bad = first_nonfinite(block, workers)
+        if bad is not None:
+            at = [int(i) + s.start for i, s in zip(bad, index)]
             raise CheckpointError(f"tensor {self.reader.full_name(name)} holds NaN or inf "
                                   f"(the first at index {at})")
 
     def _validate_scales(self, scale_name: str, scales: np.ndarray) -> None:
+        if scales.dtype == np.uint8 and (scales.size == 0 or scales.max() < SCALE_NAN):
+            return                                     # no NaN byte: skip the full scan
         try:
             validate_scales(scales)
         except ValueError as e:

@@ -75,6 +75,22 @@ def synthetic_tensor_count(cfg: K3Config, experts: ExpertFormat = "dense") -> in
     return moe * per_moe + (cfg.num_hidden_layers - moe) * 3
 
 
+def checkpoint_bytes(cfg: K3Config, dtype: WeightDtype = "bfloat16",
+                     experts: ExpertFormat = "dense") -> int:
+    """Tensor bytes of ``synthetic_tensors(cfg, ..., dtype=dtype, experts=experts)``
+    (without the file headers)."""
+    item = np.dtype(dtype).itemsize
+    D, L, E, I, F = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
+                     cfg.moe_intermediate_size, cfg.intermediate_size)
+    S = cfg.shared_intermediate_size
+    expert = 3 * I * L * (item if experts == "dense" else 1) // (1 if experts == "dense" else 2)
+    if experts == "mxfp4":
+        expert += 3 * I * L // 32
+    moe = (E * D + 2 * L * D + int(cfg.latent_moe_use_norm) * L + 3 * S * D) * item + 4 * E \
+        + E * expert
+    return cfg.num_moe_layers * moe + cfg.num_dense_layers * 3 * F * D * item
+
+
 def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
                      num_files: int = 1, language_model_prefix: bool = False,
                      nested_config: bool = False) -> None:
@@ -130,5 +146,5 @@ def make_synthetic_checkpoint(directory: str | os.PathLike, cfg: K3Config, seed:
                      num_files=num_files)
 
 
-__all__ = ["synthetic_tensors", "synthetic_tensor_count", "write_checkpoint",
+__all__ = ["synthetic_tensors", "synthetic_tensor_count", "checkpoint_bytes", "write_checkpoint",
            "make_synthetic_checkpoint", "layer_tensors"]

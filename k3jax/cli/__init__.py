@@ -14,10 +14,9 @@ from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
-from k3jax.cli import bench, compile, make_checkpoint, plan, run  # noqa: E402
-from k3jax.cli import latency  # noqa: E402
+from k3jax.cli import bench, compile, latency, load_bench, make_checkpoint, plan, run  # noqa: E402
 
-COMMANDS = (run, make_checkpoint, plan, bench, compile, latency)
+COMMANDS = (run, make_checkpoint, plan, bench, compile, latency, load_bench)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,4 +1,4 @@
-"""``k3jax run``: one layer's forward from a checkpoint, on any layout."""
+"""``k3jax run``: one layer's forward (or several layers' in sequence) from a checkpoint, on any layout."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
                    help="checkpoint directory (default: a tiny synthetic K3-shaped checkpoint)")
     p.add_argument("--layer", type=non_negative_int, default=None,
                    help="layer index (default 1, the first MoE layer)")
+    p.add_argument("--layers", type=layer_range, metavar="A:B", default=None,
+                   help="layers A..B-1 instead of --layer, loaded together (one progress bar) "
+                        "and run in sequence, each layer's output the next one's input")
     p.add_argument("--input", metavar="X.npy", help="float32 [T, hidden] (default: random, T=7)")
     p.add_argument("--output", metavar="Y.npy", help="where to write float32 [T, hidden]")
     p.add_argument("--cotangent", metavar="DY.npy",
@@ -129,7 +132,22 @@ def _check_flags(args: argparse.Namespace, spec: startup.ProcessSpec | None) -> 
     return num_devices // spec.num_processes
 
 
+def layer_range(text: str) -> tuple[int, int]:
+    """``A:B`` (0 <= A < B) for --layers."""
+    try:
+        a, b = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (two integers), got {text!r}") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, got {text!r}")
+    return a, b
+
+
 def _check_grad_flags(args: argparse.Namespace) -> None:
+    if args.layers is not None and args.layer is not None:
+        raise UsageError("--layer and --layers exclude each other")
+    if args.layers is not None and args.grads is not None and args.layers[1] - args.layers[0] > 1:
+        raise UsageError("--grads needs a single layer (--layer N or --layers N:N+1)")
     if (args.grads is None) != (args.cotangent is None):
         given, missing = (("--grads", "--cotangent DY.npy") if args.cotangent is None
                           else ("--cotangent", "--grads OUT.safetensors"))
@@ -165,8 +183,13 @@ def _open(args: argparse.Namespace, path: str):
     reader = CheckpointReader(path)
     cfg = reader.config
     layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+    what = args.checkpoint or "the tiny synthetic checkpoint"
+    if args.layers is not None:
+        layer, end = args.layers
+        if end > cfg.num_hidden_layers:
+            raise UsageError(f"--layers {layer}:{end} is out of range: {what} has "
+                             f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
     if layer >= cfg.num_hidden_layers:
-        what = args.checkpoint or "the tiny synthetic checkpoint"
         raise UsageError(f"--layer {layer} is out of range: {what} has {cfg.num_hidden_layers} "
                          f"layers (0..{cfg.num_hidden_layers - 1})")
     x = _load_input(args.input, cfg.hidden_size)
@@ -208,7 +231,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     check_backend(args.backend, jax.default_backend())
     require_devices(parallel.num_devices)
 
-    from k3jax.checkpoint import load_layer, make_synthetic_checkpoint
+    from k3jax.checkpoint import load_layers, make_synthetic_checkpoint
     from k3jax.config import TINY
     from k3jax.layout import make_mesh
     from k3jax.memory import format_bytes, param_shard_bytes
@@ -224,13 +247,15 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
             reader, cfg, layer, x, dy = _open(args, path)
         else:
             reader, cfg, layer, x, dy = _agree(args, spec, parallel, path)
+        layers = list(range(*args.layers)) if args.layers is not None else [layer]
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
-            module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
-                                backend=args.backend, mxfp4=args.mxfp4, progress=True)
+            modules = load_layers(reader, layers, parallel, mesh, dtype=DTYPES[args.dtype],
+                                  backend=args.backend, mxfp4=args.mxfp4, progress=True)
+        module = modules[0]
 
-        graphdef, state = nnx.split(module)
-        forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x).astype(jnp.float32))
+        graphdefs, state = zip(*(nnx.split(m) for m in modules))
+        forward = jax.jit(lambda state, x: _in_sequence(graphdefs, state, x).astype(jnp.float32))
         x_dev = jnp.asarray(x) if spec is None else agreement.replicated(x, mesh)
         t0 = time.perf_counter()
         y = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
@@ -256,19 +281,25 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         print(f"{spec.tag} done; process 0 writes the output", flush=True)
         return 0
 
-    kind = "MoE" if cfg.is_moe_layer(layer) else "dense MLP"
-    print(f"layer {layer} ({kind}), T={x.shape[0]}, hidden={cfg.hidden_size}, dtype={args.dtype}, "
+    kinds = ", ".join("MoE" if cfg.is_moe_layer(i) else "dense MLP" for i in layers)
+    what = f"layer {layer}" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]} in sequence"
+    print(f"{what} ({kinds}), T={x.shape[0]}, hidden={cfg.hidden_size}, dtype={args.dtype}, "
           f"backend={args.backend}")
     print(f"mesh: {dict(mesh.shape)} on {len(mesh.devices.flat)} {mesh.devices.flat[0].platform} device(s)")
-    print(_describe_layout(module, cfg.is_moe_layer(layer)))
-    per_param = param_shard_bytes(module)
-    arrays = {".".join(map(str, path)): var.get_value()
-              for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
-    for name, value in sorted(per_param.items()):
-        array = arrays[name]
-        print(f"  {name:18s} {str(list(array.shape)):18s} {str(array.sharding.spec):28s} "
-              f"{format_bytes(value)}/device")
-    print(f"parameter bytes per device: {sum(per_param.values())} ({format_bytes(sum(per_param.values()))})")
+    total = 0
+    for i, m in zip(layers, modules):
+        if len(layers) > 1:
+            print(f"layer {i}:")
+        print(_describe_layout(m, cfg.is_moe_layer(i)))
+        per_param = param_shard_bytes(m)
+        arrays = {".".join(map(str, path)): var.get_value()
+                  for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+        for name, value in sorted(per_param.items()):
+            array = arrays[name]
+            print(f"  {name:18s} {str(list(array.shape)):18s} {str(array.sharding.spec):28s} "
+                  f"{format_bytes(value)}/device")
+        total += sum(per_param.values())
+    print(f"parameter bytes per device: {total} ({format_bytes(total)})")
     if times:
         print(f"forward: median {statistics.median(times) * 1e3:.3f} ms over {len(times)} timed "
               f"runs after the first, compiling one ({first * 1e3:.1f} ms)")
@@ -280,6 +311,15 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     if grads is not None:
         _save_gradients(args.grads, grads)
     return 0
+
+
+def _in_sequence(graphdefs, states, x):
+    """Each layer's output is the next one's input."""
+    from flax import nnx
+
+    for graphdef, state in zip(graphdefs, states):
+        x = nnx.merge(graphdef, state)(x)
+    return x
 
 
 def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
@@ -336,7 +376,9 @@ def _agree(args: argparse.Namespace, spec: startup.ProcessSpec, parallel, path: 
         opened = reader, cfg, layer, x, _ = _open(args, path)
         config_json = json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()
         items = {"jax version": jax.__version__, "devices": str(parallel.num_devices),
-                 "layout": parallel.describe(), "layer": str(layer), "dtype": args.dtype,
+                 "layout": parallel.describe(),
+                 "layer": str(layer) if args.layers is None else "%d:%d" % args.layers,
+                 "dtype": args.dtype,
                  "backend": args.backend, "MXFP4 handling": args.mxfp4,
                  "repeat": str(args.repeat),
                  "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],

@@ -1,0 +1,198 @@
+"""``k3jax load-bench``: the checkpoint loader's rate against a raw read of
+the same bytes, measured in one run with the page cache warm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+from k3jax.cli.common import (
+    DTYPES,
+    UsageError,
+    add_device_flags,
+    add_parallel_flags,
+    layout_errors,
+    non_negative_int,
+    parallel_from_args,
+    pick_devices,
+    positive_int,
+    report_errors,
+    request_devices,
+    require_devices,
+)
+
+RAW_BUFFER_BYTES = 64 << 20
+"""The raw read's one reused buffer; longer runs are read in pieces of this size."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("load-bench", help="the checkpoint loader's GB/s against a raw read",
+                       description="Load one layer of a checkpoint onto the devices (the "
+                                   "loader: headers, reads, checks, transfer, on-device "
+                                   "transposes) and read the same file bytes with a plain "
+                                   "readinto loop on one thread; both with the page cache warm "
+                                   "(each runs once untimed first). Prints both rates (GB = 1e9 "
+                                   "bytes) and loader / raw.")
+    p.add_argument("--checkpoint", metavar="DIR", required=True, help="checkpoint directory")
+    p.add_argument("--layer", type=non_negative_int, default=None,
+                   help="layer index (default 1, the first MoE layer)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="parameter dtype (default bfloat16)")
+    p.add_argument("--mxfp4", choices=("packed", "dequantize"), default="packed",
+                   help="MXFP4 routed experts: kept packed or dequantized on load")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="loader threads (default: one per core this process may use)")
+    p.add_argument("--repeat", type=positive_int, default=3, metavar="R",
+                   help="timed runs of each, interleaved; the medians are reported (default 3)")
+    p.add_argument("--json", action="store_true",
+                   help='print {"bytes", "loader_GBps", "raw_GBps", "ratio"}')
+    add_device_flags(p)
+    add_parallel_flags(p)
+    p.set_defaults(main=main)
+
+
+def main(args: argparse.Namespace, prog: str) -> int:
+    return report_errors(lambda: _bench(args), prog)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    parallel = parallel_from_args(args, args.devices)
+    request_devices(parallel.num_devices)
+
+    import jax
+    from flax import nnx
+
+    from k3jax.checkpoint import load_layer
+    from k3jax.checkpoint.host import default_workers
+    from k3jax.layout import make_mesh
+
+    require_devices(parallel.num_devices)
+    reader = _recording_reader(args.checkpoint)
+    cfg = reader.config
+    layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+    if layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {layer} is out of range: {args.checkpoint} has "
+                         f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
+    mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
+            module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
+                                mxfp4=args.mxfp4, workers=args.workers)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(module)))
+        seconds = time.perf_counter() - t0
+        transposed[:] = _transposed_params(module, layer)
+        return seconds
+    transposed: list = []
+
+    load()                                   # warms the page cache and compiles the transposes
+    regions = reader.take_regions()
+    nbytes = sum(n for _, _, n in regions)
+    raw_read(reader, regions)                # warm
+    if not args.json:
+        _time_transposes(transposed)         # compiles the peer's transposes
+    loader_s, raw_s, transpose_s = [], [], []
+    for _ in range(args.repeat):
+        loader_s.append(load())
+        raw_s.append(raw_read(reader, regions))
+        if not args.json:
+            transpose_s.append(_time_transposes(transposed))
+    loader = nbytes / statistics.median(loader_s) / 1e9
+    raw = nbytes / statistics.median(raw_s) / 1e9
+    if args.json:
+        print(json.dumps({"bytes": nbytes, "loader_GBps": loader, "raw_GBps": raw,
+                          "ratio": loader / raw}))
+        return 0
+    kind = "MoE" if cfg.is_moe_layer(layer) else "dense MLP"
+    workers = args.workers or default_workers()
+    print(f"layer {layer} ({kind}) of {args.checkpoint}: {nbytes} bytes ({nbytes / 1e9:.3f} GB) "
+          f"in {len(regions)} reads, {args.dtype}, MXFP4 {args.mxfp4}, on "
+          f"{len(mesh.devices.flat)} {mesh.devices.flat[0].platform} device(s)")
+    print(f"loader:   {loader:8.3f} GB/s  (median of {args.repeat}: "
+          f"{statistics.median(loader_s):.3f} s; {workers} worker thread(s))")
+    print(f"raw read: {raw:8.3f} GB/s  (median of {args.repeat}: {statistics.median(raw_s):.3f} s; "
+          f"one thread, readinto a reused buffer)")
+    print(f"ratio:    {loader / raw:8.3f}")
+    moved = sum(a.nbytes for a in transposed)
+    if moved:
+        print(f"peer: the on-device transposes alone, {moved / 1e9:.3f} GB of the layer's "
+              f"parameters, {moved / statistics.median(transpose_s) / 1e9:.3f} GB/s (median of "
+              f"{args.repeat}: {statistics.median(transpose_s):.3f} s)")
+    return 0
+
+
+def _transposed_params(module, layer: int) -> list:
+    """The module's parameters that the loader transposes on the device."""
+    from flax import nnx
+
+    from k3jax.checkpoint.names import layer_tensors
+
+    refs = layer_tensors(module.__class__.__name__ == "KimiMoE")
+    return [v.get_value() for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
+            if refs[".".join(map(str, path))].transpose]
+
+
+def _time_transposes(arrays: list) -> float:
+    """Seconds to swap the last two axes of each array once on its devices
+    (the loader's on-device step, compiled by its warm-up)."""
+    import jax
+
+    from k3jax.checkpoint.source import swap_last_axes
+
+    t0 = time.perf_counter()
+    jax.block_until_ready([swap_last_axes(a) for a in arrays])
+    return time.perf_counter() - t0
+
+
+def _recording_reader(directory: str):
+    """A CheckpointReader that records (name, index, bytes) of every region read."""
+    from k3jax.checkpoint import CheckpointReader
+
+    class RecordingReader(CheckpointReader):
+        def __init__(self, directory):
+            super().__init__(directory)
+            self._regions: list[tuple[str, list | None, int]] = []
+            self._regions_lock = threading.Lock()
+
+        def read(self, name, index=None, out=None, workers=None):
+            value = super().read(name, index, out, workers)
+            with self._regions_lock:
+                self._regions.append((name, None if index is None else list(index), value.nbytes))
+            return value
+
+        def take_regions(self) -> list[tuple[str, list | None, int]]:
+            with self._regions_lock:
+                regions, self._regions = self._regions, []
+            return regions
+    return RecordingReader(directory)
+
+
+def raw_read(reader, regions) -> float:
+    """Seconds to read the file bytes of ``regions`` ((name, index, bytes)
+    as the loader read them) with plain readinto calls on one thread, into
+    one reused buffer."""
+    buffer = memoryview(bytearray(RAW_BUFFER_BYTES))
+    files: dict[str, object] = {}
+    try:
+        t0 = time.perf_counter()
+        for name, index, _ in regions:
+            file, runs = reader.runs(name, index)
+            if file not in files:
+                files[file] = open(os.path.join(reader.directory, file), "rb", buffering=0)
+            f = files[file]
+            for _, offset, size in runs:
+                f.seek(offset)
+                while size > 0:
+                    got = f.readinto(buffer[:min(size, RAW_BUFFER_BYTES)])
+                    if not got:
+                        raise OSError(f"{file}: short read at byte {f.tell()}")
+                    size -= got
+        return time.perf_counter() - t0
+    finally:
+        for f in files.values():
+            f.close()
