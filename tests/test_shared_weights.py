@@ -42,7 +42,7 @@ from layout_cases import (
 )
 from numerics import rel_err
 
-pytestmark = pytest.mark.tiers(slow=["test_bf16_scatter_agrees_with_float32"])
+pytestmark = pytest.mark.tiers(slow=["test_weights_form_equals_replicated_bitwise_bf16"])
 
 LAYERS = {"dense": 0, "moe": 1}
 FP32_TOL = 1e-5
@@ -50,21 +50,30 @@ BF16_TOL = 1e-2
 T_PAD = 13
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layer", list(LAYERS))
-@pytest.mark.parametrize("name", list(WEIGHTS_FORM))
-def test_weights_form_equals_replicated_bitwise(eight_devices, name, layer, dtype):
+def _bitwise(name: str, layer: str, dtype) -> None:
     par = WEIGHTS_FORM[name]
     lay = make_layout(TINY, par)
     assert lay.shared_mlp.mode is MlpMode.SP_SHARDED
     assert lay.shared_mlp.overlap is SharedOverlap.WEIGHTS
     peer = REPLICATED_PEER[name]
-    assert make_layout(TINY, EXTRA_LAYOUTS.get(peer, LAYOUTS.get(peer))).shared_mlp.mode \
+    assert make_layout(TINY, EXTRA_LAYOUTS.get(peer) or LAYOUTS[peer]).shared_mlp.mode \
         is MlpMode.REPLICATED
-    got = output(TINY, name, LAYERS[layer], T_PAD, jnp.dtype(dtype))
-    want = output(TINY, peer, LAYERS[layer], T_PAD, jnp.dtype(dtype))
+    got = output(TINY, name, LAYERS[layer], T_PAD, dtype)
+    want = output(TINY, peer, LAYERS[layer], T_PAD, dtype)
     assert np.all(np.isfinite(got)) and np.any(got)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("name", list(WEIGHTS_FORM))
+def test_weights_form_equals_replicated_bitwise(eight_devices, name, layer):
+    _bitwise(name, layer, jnp.float32)
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("name", list(WEIGHTS_FORM))
+def test_weights_form_equals_replicated_bitwise_bf16(eight_devices, name, layer):
+    _bitwise(name, layer, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("name", list(WEIGHTS_FORM))
