@@ -56,7 +56,8 @@ def ring_all_gather_map(x_TX: jax.Array, f: Callable[[jax.Array], jax.Array],
 
 
 def ring_reduce_scatter_map(h_by_gather_step: list[jax.Array],
-                            g: Callable[[jax.Array], jax.Array], axis: str) -> jax.Array:
+                            g: Callable[[jax.Array], jax.Array], axis: str,
+                            wire_dtype=jnp.float32) -> jax.Array:
     """sum over the ring of g(row block), each device keeping its own block's sum.
 
     h_by_gather_step: n arrays [T, Y] in ``ring_all_gather_map``'s step order
@@ -81,19 +82,22 @@ def ring_reduce_scatter_map(h_by_gather_step: list[jax.Array],
     for step in range(1, n):
         following = h_of_step[step + 1] if step + 1 < n else h_TY
         received_TZ, part_TZ, h_TY = jax.lax.optimization_barrier(
-            (jax.lax.ppermute(acc_TZ, axis, ring_pairs(n)), g(h_TY).astype(jnp.float32), following))
-        acc_TZ = received_TZ + part_TZ
+            (jax.lax.ppermute(acc_TZ.astype(wire_dtype), axis, ring_pairs(n)),
+             g(h_TY).astype(jnp.float32), following))
+        acc_TZ = received_TZ.astype(jnp.float32) + part_TZ
     return acc_TZ
 
 
 def ring_sp_mlp(x_TD: jax.Array, up: Callable[[jax.Array], jax.Array],
-                down: Callable[[jax.Array], jax.Array], axis: str) -> jax.Array:
+                down: Callable[[jax.Array], jax.Array], axis: str,
+                wire_dtype=jnp.float32) -> jax.Array:
     """The SP-sharded MLP as two rings: all-gather + ``up`` (x [T, D] ->
     h [T, F/n], this device's F shard) and ``down`` (h -> float32 partial
     [T, D]) + reduce-scatter. x_TD [T, D]: this device's rows; returns the
     float32 sum [T, D] of this device's rows, as all_gather -> up -> down ->
-    psum_scatter would (the sum's order differs: float32 rounding only)."""
-    return ring_reduce_scatter_map(ring_all_gather_map(x_TD, up, axis), down, axis)
+    psum_scatter would (the sum's order differs: float32 rounding only; a
+    bfloat16 ``wire_dtype`` rounds each running sum sent to bf16)."""
+    return ring_reduce_scatter_map(ring_all_gather_map(x_TD, up, axis), down, axis, wire_dtype)
 
 
 __all__ = ["ring_pairs", "ring_all_gather_map", "ring_reduce_scatter_map", "ring_sp_mlp"]

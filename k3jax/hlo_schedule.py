@@ -58,6 +58,8 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _CALLS = re.compile(r"\b(?:calls|body|to_apply)=%?([\w.\-]+)")
 _CALLS_LIST = re.compile(r"\bcalls=\{([^}]*)\}")
+_BRANCHES = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCH_LIST = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _DIMS = re.compile(r"\b(lhs_contracting_dims)=\{([0-9,]*)\}")
 _IS_SYNC = re.compile(r'"is_sync":\s*true')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -245,6 +247,11 @@ class _Flops:
             return self._dot(instr.shape, self.shapes[instr.operands[0]], contracting)
         if instr.opcode == "custom-call":
             return self._custom_call(instr)
+        if instr.opcode == "conditional":
+            branches = [m.group(1) for m in _BRANCHES.finditer(instr.attrs)]
+            for m in _BRANCH_LIST.finditer(instr.attrs):
+                branches += re.findall(r"%([\w.\-]+)", m.group(1))
+            return max((self.of_computation(b) for b in branches), default=0.0)
         if instr.opcode == "while":
             body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
             trips = _TRIP_COUNT.search(instr.attrs)

@@ -30,7 +30,11 @@ parallelism, else (DATA,). The three layouts of an MLP and of the routed experts
 An SP-sharded MLP issues its gather and scatter either as the two collectives
 (``SharedOverlap.NONE``) or as two rings of tp - 1 collective-permutes each,
 every block's matmul running while the next block travels
-(``SharedOverlap.RING``, k3jax.collective_matmul).
+(``SharedOverlap.RING``, k3jax.collective_matmul), summing the partials in
+``ParallelConfig.shared_scatter_dtype``; or it moves weights instead of rows
+(``SharedOverlap.WEIGHTS``): one all-gather per weight over TENSOR, then the
+replicated MLP on own rows. At rest its weights are split the same way in
+all three forms.
 
     MoEMode.LOCAL        every expert whole on every device
     MoEMode.TP           each expert's intermediate split over TENSOR (padded);
@@ -155,12 +159,20 @@ class MlpLayout:
         return {"gate_DF": self.gate_DF, "up_DF": self.up_DF, "down_FD": self.down_FD}
 
     @property
+    def scatter_dtype(self) -> jnp.dtype:
+        """The dtype an SP-sharded token-side form (NONE, RING) sends and sums
+        its partials in over TENSOR (``ParallelConfig.shared_scatter_dtype``)."""
+        return jnp.dtype(self.parallel.shared_scatter_dtype)
+
+    @property
     def collectives(self) -> tuple[str, ...]:
         """Collectives one forward issues, over TENSOR (RING: 2 (tp - 1)
         collective-permutes, tp - 1 of the input rows, then tp - 1 of the
-        float32 partial sums)."""
+        partial sums; WEIGHTS: an all-gather of gate and up stacked, then one of down)."""
         if self.overlap is SharedOverlap.RING:
             return ("collective-permute",) * (2 * (self.parallel.tp - 1))
+        if self.overlap is SharedOverlap.WEIGHTS:
+            return ("all-gather",) * 2
         return {MlpMode.REPLICATED: (),
                 MlpMode.SP_SHARDED: ("all-gather", "reduce-scatter"),
                 MlpMode.TP: ("all-reduce",)}[self.mode]
@@ -339,8 +351,9 @@ class Layout:
     def shared_overlaps_routed(self) -> bool:
         """Does the compiled program run the shared expert's work under the
         routed experts'? A claim checked against the H200 schedule
-        (tests/test_aot_layouts.py, 256 and 8192 tokens, compiled with
-        k3jax.xla_options.OVERLAP_COMPILER_OPTIONS).
+        (tests/test_aot_layouts.py at 256 and 8192 tokens;
+        tests/test_shared_weights_schedule.py for WEIGHTS at 2048 and 8192;
+        compiled with k3jax.xla_options.OVERLAP_COMPILER_OPTIONS).
 
         vLLM switches its shared/routed stream overlap off for a sharded shared
         expert because the expert issues collectives of its own, and two streams
@@ -350,6 +363,11 @@ class Layout:
         - replicated shared expert: no collective of its own; True;
         - SP-sharded with SharedOverlap.RING: its collective-permutes stay
           asynchronous with a matmul under each; True;
+        - SP-sharded with SharedOverlap.WEIGHTS (any dp): its two weight
+          all-gathers stay asynchronous, gate/up with the first routed
+          grouped matmul under it, down with the second (its start follows
+          the first grouped matmul: XLA keeps one all-gather in flight, and
+          the routed rows' gathers come between); True;
         - SP-sharded with SharedOverlap.NONE, tensor axis spanning the mesh
           (dp 1): its all-gather and reduce-scatter stay asynchronous with
           routed GEMMs between start and done; True;
@@ -362,7 +380,7 @@ class Layout:
         """
         mode = self.shared_mlp.mode
         if mode is MlpMode.SP_SHARDED:
-            return self.shared_mlp.overlap is SharedOverlap.RING or self.parallel.dp == 1
+            return self.shared_mlp.overlap is not SharedOverlap.NONE or self.parallel.dp == 1
         return mode is not MlpMode.TP
 
     def describe(self) -> str:

@@ -34,10 +34,29 @@ class SharedOverlap(enum.Enum):
     RING   the same bytes as tp - 1 collective-permutes each way around the
            tensor-axis ring, each block's gate/up (or down) matmul running
            while the next block is in flight (k3jax.collective_matmul).
+    WEIGHTS the rows stay put; the weights move instead: all-gather the
+           gate/up and down shards over TENSOR (in the weights' dtype,
+           (tp - 1) / tp of the full weights per device, whatever T), run the
+           replicated MLP on the device's own rows, drop the gathered copy.
+           Same arithmetic as the replicated layout, so the same output bits;
+           the backward reduce-scatters the weight gradients over TENSOR.
+
+    NONE and RING's reduce-scatter sums in ``ParallelConfig.shared_scatter_dtype``.
     """
 
     NONE = "none"
     RING = "ring"
+    WEIGHTS = "weights"
+
+    @property
+    def moves_rows(self) -> bool:
+        """Does this form move token rows (NONE, RING), rather than weights?"""
+        return self is not SharedOverlap.WEIGHTS
+
+
+SCATTER_DTYPES = ("float32", "bfloat16")
+"""The dtypes a token-side form (NONE, RING) may sum its partials in over the wire."""
+DEFAULT_SCATTER_DTYPE = "float32"
 
 
 DEFAULT_SHARED_OVERLAP = SharedOverlap.RING
@@ -61,6 +80,11 @@ class ParallelConfig:
       For side-by-side comparisons only; the padding is zeros, so outputs agree.
     shared_overlap: how an SP-sharded shared expert / dense MLP moves its
       rows (SharedOverlap); read only where an MLP is SP-sharded.
+    shared_scatter_dtype: the dtype (one of SCATTER_DTYPES) in which the
+      token-side forms (NONE, RING) send and sum their partial sums over
+      TENSOR: "float32" (default) or "bfloat16" (half the bytes of the
+      largest transfer; bf16 rounding of each partial and of each running
+      sum). WEIGHTS has no partial sums; it ignores the field.
     """
 
     dp: int = 1
@@ -70,11 +94,15 @@ class ParallelConfig:
     shard_shared_expert: bool | None = None
     pad_under_ep: bool = False
     shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
+    shared_scatter_dtype: str = DEFAULT_SCATTER_DTYPE
 
     def __post_init__(self) -> None:
         if not isinstance(self.shared_overlap, SharedOverlap):
             raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
                              f"got {self.shared_overlap!r}")
+        if self.shared_scatter_dtype not in SCATTER_DTYPES:
+            raise ValueError(f"ParallelConfig.shared_scatter_dtype must be one of {SCATTER_DTYPES}, "
+                             f"got {self.shared_scatter_dtype!r}")
         for name in ("dp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -171,5 +199,5 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
-           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "check_mesh", "make_mesh", "abstract_mesh",
+           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "DEFAULT_SCATTER_DTYPE", "check_mesh", "make_mesh", "abstract_mesh",
            "padded_rows"]

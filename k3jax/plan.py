@@ -199,7 +199,10 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
       (int32) and weights (float32); reduce-scatter of the float32 routed
       latent; an SP-sharded shared expert adds its own over TENSOR
       (``sp_sharded_mlp_collectives``: an all-gather and a reduce-scatter, or
-      2 (tp - 1) collective-permutes under SharedOverlap.RING).
+      2 (tp - 1) collective-permutes under SharedOverlap.RING, the partial
+      sums in ``shared_scatter_dtype``; under SharedOverlap.WEIGHTS the
+      all-gather of gate/up comes first, before the routed path's, and that
+      of down after them, as k3jax.modules.moe.shared_weights_local issues them).
     Dispatch.ALL_REDUCE (moe_tp_local, tp > 1 without SP): under EP with
       dp > 1 the same three all-gathers and one reduce-scatter over DATA
       (``dispatch_axes``); then one float32 all-reduce of [rows, L + D] over TENSOR.
@@ -213,6 +216,10 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
     local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
     act = str(layout.dtype)
     out: list[Collective] = []
+    shared = layout.shared_mlp
+    weights_form = shared.mode is MlpMode.SP_SHARDED and shared.overlap is SharedOverlap.WEIGHTS
+    if weights_form:
+        out.append(sp_sharded_mlp_collectives(shared, local_rows, act, "shared-expert")[0])
     axes = layout.dispatch_axes
     if axes:
         group = math.prod(sizes[a] for a in axes)
@@ -227,7 +234,9 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
                               "routed latent + shared-expert partial sums",
                               (local_rows, L + D), "float32"))
         return out
-    if layout.shared_mlp.mode is MlpMode.SP_SHARDED:
+    if weights_form:
+        out += sp_sharded_mlp_collectives(shared, local_rows, act, "shared-expert")[1:]
+    elif layout.shared_mlp.mode is MlpMode.SP_SHARDED:
         out += sp_sharded_mlp_collectives(layout.shared_mlp, local_rows, act, "shared-expert")
     elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
         raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
@@ -240,19 +249,27 @@ def sp_sharded_mlp_collectives(mlp: MlpLayout, local_rows: int, act_dtype: str,
     per device (k3jax.modules.mlp): SharedOverlap.NONE, an all-gather of the
     D-wide input rows (activation dtype) and a float32 reduce-scatter of the
     partial sums; RING, the same bytes as tp - 1 collective-permutes of one
-    [local_rows, D] block each way (input rows, then float32 running sums)."""
-    tp, D = mlp.parallel.tp, mlp.hidden
+    [local_rows, D] block each way (input rows, then running sums); the
+    partial sums in ``mlp.scatter_dtype``. WEIGHTS: an all-gather of gate and
+    up stacked ([2, D, F]) and one of down ([F, D]), in the weights' dtype
+    (``act_dtype``: the Layout's dtype is the weights' too), whatever the rows."""
+    tp, D, F = mlp.parallel.tp, mlp.hidden, mlp.intermediate
+    scatter = str(mlp.scatter_dtype)
+    if mlp.overlap is SharedOverlap.WEIGHTS:
+        return [Collective("all-gather", (TENSOR,), tp, f"{who} gate/up weights", (2, D, F),
+                           act_dtype),
+                Collective("all-gather", (TENSOR,), tp, f"{who} down weights", (F, D), act_dtype)]
     if mlp.overlap is SharedOverlap.RING:
         return ([Collective("collective-permute", (TENSOR,), tp,
                             f"{who} input rows, ring step {s + 1}/{tp - 1}",
                             (local_rows, D), act_dtype) for s in range(tp - 1)]
                 + [Collective("collective-permute", (TENSOR,), tp,
                               f"{who} partial sums, ring step {s + 1}/{tp - 1}",
-                              (local_rows, D), "float32") for s in range(tp - 1)])
+                              (local_rows, D), scatter) for s in range(tp - 1)])
     rows = local_rows * tp
     return [Collective("all-gather", (TENSOR,), tp, f"{who} input rows", (rows, D), act_dtype),
             Collective("reduce-scatter", (TENSOR,), tp, f"{who} partial sums", (rows, D),
-                       "float32")]
+                       scatter)]
 
 
 # --------------------------------------------------------------------------
@@ -297,7 +314,8 @@ class Plan:
                          "expert_parallel": par.expert_parallel, "ep": par.ep,
                          "shard_shared_expert": par.shard_shared_expert,
                          "pad_under_ep": par.pad_under_ep,
-                         "shared_overlap": par.shared_overlap.value},
+                         "shared_overlap": par.shared_overlap.value,
+                         "shared_scatter_dtype": par.shared_scatter_dtype},
             "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
                        "shared_expert_overlap": lay.shared_mlp.overlap.value,
                        "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,

@@ -63,6 +63,23 @@ UNOVERLAPPED = {f"{name}_none": dataclasses.replace(LAYOUTS[name], shared_overla
                 for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
                              "sp_ep_dp2_tp4_shard")}
 EXTRA_LAYOUTS.update(UNOVERLAPPED)
+# The same SP-sharded layouts with the weights gathered instead of the rows
+# (SharedOverlap.WEIGHTS), each beside the replicated layout its output must
+# equal bit for bit: the same mesh with the shared expert / dense MLP replicated.
+WEIGHTS_FORM = {f"{name}_weights": dataclasses.replace(LAYOUTS[name], shared_overlap=SharedOverlap.WEIGHTS)
+                for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
+                             "sp_ep_dp2_tp4_shard")}
+REPLICATED_PEER = {f"{name}_weights": name.removesuffix("_shard") + "_repl"
+                   for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
+                                "sp_ep_dp2_tp4_shard")}
+EXTRA_LAYOUTS.update(WEIGHTS_FORM)
+EXTRA_LAYOUTS.update({peer: dataclasses.replace(WEIGHTS_FORM[name], shard_shared_expert=False,
+                                                shared_overlap=SharedOverlap.RING)
+                      for name, peer in REPLICATED_PEER.items() if peer not in LAYOUTS})
+# RING and NONE with their partial sums reduce-scattered in bf16.
+EXTRA_LAYOUTS.update({f"{name}_bf16scatter": dataclasses.replace(par, shared_scatter_dtype="bfloat16")
+                      for name, par in (("sp_tp8_shard", LAYOUTS["sp_tp8_shard"]),
+                                        ("sp_tp8_shard_none", UNOVERLAPPED["sp_tp8_shard_none"]))})
 _ALL = {**LAYOUTS, **EXTRA_LAYOUTS}
 
 
@@ -180,6 +197,8 @@ __all__ = [
     "EXTRA_LAYOUTS",
     "LAYOUTS",
     "UNOVERLAPPED",
+    "WEIGHTS_FORM",
+    "REPLICATED_PEER",
     "MOE_LAYER",
     "MULTI_DEVICE",
     "SEED",

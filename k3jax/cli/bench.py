@@ -84,8 +84,9 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-moe-layer", action="store_true", help="only the shared-expert sweep")
     p.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
                    default=DEFAULT_SHARED_OVERLAP.value,
-                   help="how the sharded shared expert moves its rows: 'ring' (overlapped "
-                        "collective matmul) or 'none' (all-gather + reduce-scatter) "
+                   help="how the sharded shared expert meets its rows: 'ring' (overlapped "
+                        "collective matmul), 'none' (all-gather + reduce-scatter of the rows) "
+                        "or 'weights' (all-gather the weight shards, replicated MLP on own rows) "
                         f"(default {DEFAULT_SHARED_OVERLAP.value})")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON ('-': stdout, "

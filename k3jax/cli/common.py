@@ -23,6 +23,7 @@ from k3jax.layout import (
     ParallelConfig,
     SharedOverlap,
 )
+from k3jax.parallel_config import DEFAULT_SCATTER_DTYPE, SCATTER_DTYPES, SHARD_SHARED_EXPERT_ENV
 from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -167,10 +168,15 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "parallelism (default: K3JAX_SHARD_SP_SHARED_EXPERT, else off)")
     g.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
                    default=DEFAULT_SHARED_OVERLAP.value,
-                   help="how an SP-sharded shared expert / dense MLP moves its rows: 'ring' "
+                   help="how an SP-sharded shared expert / dense MLP meets its rows: 'ring' "
                         "(collective matmul: tp - 1 ppermutes each way, each block's matmul "
-                        "overlapping the next transfer) or 'none' (one all-gather + one "
-                        f"reduce-scatter) (default {DEFAULT_SHARED_OVERLAP.value})")
+                        "overlapping the next transfer), 'none' (one all-gather + one "
+                        "reduce-scatter of the rows) or 'weights' (all-gather the weight shards, "
+                        "run the replicated MLP on own rows; needs --sequence-parallel and "
+                        f"--shard-shared-expert) (default {DEFAULT_SHARED_OVERLAP.value})")
+    g.add_argument("--shared-scatter-dtype", choices=SCATTER_DTYPES, default=DEFAULT_SCATTER_DTYPE,
+                   help="dtype the 'none' and 'ring' forms reduce-scatter their partial sums in "
+                        f"(bfloat16: half the bytes, bf16 rounding) (default {DEFAULT_SCATTER_DTYPE})")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -200,12 +206,31 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
     if num_devices is not None and dp * tp != num_devices:
         raise UsageError(f"--dp {dp} x --tp {tp} = {dp * tp} does not match --devices {num_devices}")
     try:
-        return ParallelConfig(dp=dp, tp=tp, sequence_parallel=args.sequence_parallel,
-                              expert_parallel=args.expert_parallel,
-                              shard_shared_expert=args.shard_shared_expert,
-                              shared_overlap=SharedOverlap(args.shared_overlap))
+        parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=args.sequence_parallel,
+                                  expert_parallel=args.expert_parallel,
+                                  shard_shared_expert=args.shard_shared_expert,
+                                  shared_overlap=SharedOverlap(args.shared_overlap),
+                                  shared_scatter_dtype=args.shared_scatter_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_weights_form(parallel)
+    return parallel
+
+
+def check_weights_form(parallel: ParallelConfig) -> None:
+    """UsageError unless ``--shared-overlap weights`` has an SP-sharded MLP to
+    gather the weights of (--sequence-parallel and --shard-shared-expert, or
+    K3JAX_SHARD_SP_SHARED_EXPERT=1)."""
+    if parallel.shared_overlap is not SharedOverlap.WEIGHTS:
+        return
+    if not parallel.sequence_parallel:
+        raise UsageError("--shared-overlap weights needs --sequence-parallel (and "
+                         "--shard-shared-expert): without sequence parallelism no MLP is "
+                         "SP-sharded")
+    if not parallel.shard_shared_expert:
+        raise UsageError("--shared-overlap weights needs --shard-shared-expert (or "
+                         f"{SHARD_SHARED_EXPERT_ENV}=1) under --sequence-parallel: "
+                         "a replicated shared expert has no shards to gather")
 
 
 def layer_parallel_from_args(args: argparse.Namespace) -> ParallelConfig:

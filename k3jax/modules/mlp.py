@@ -52,22 +52,27 @@ def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
                     out_dtype=jnp.float32)
 
 
-def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend,
+                         scatter_dtype=jnp.float32):
     """Rows split over TENSOR: all-gather them ([T * tp, D]) -> float32 partial
-    MLP on this F shard -> float32 reduce-scatter over TENSOR (sums the
-    partials, returns own rows) -> x's dtype. Summing in float32 makes the
-    result match the replicated layout's to float32 rounding."""
+    MLP on this F shard -> reduce-scatter over TENSOR in ``scatter_dtype``
+    (sums the partials, returns own rows) -> x's dtype. Summing in float32
+    (the default) makes the result match the replicated layout's to float32
+    rounding; bfloat16 halves the scatter's bytes and rounds each partial and
+    the sum to bf16."""
     partial = mlp_tp_partial(gather_rows(x_TD, TENSOR), w, act, backend)
-    return scatter_rows(partial, TENSOR).astype(x_TD.dtype)
+    return scatter_rows(partial.astype(scatter_dtype), TENSOR).astype(x_TD.dtype)
 
 
-def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend,
+                      scatter_dtype=jnp.float32):
     """As mlp_sp_sharded_local, overlapped (SharedOverlap.RING): the input
     rows travel the tensor-axis ring block by block (tp - 1 ppermutes of
     [T, D]), each block's gate/up + SiTU ([T, F/tp]) running while the next
     travels; then each block's float32 down partial [T, D] is added to the
-    running sum passed around the ring (tp - 1 ppermutes of [T, D] float32),
-    each device ending with the sum of its own rows -> x's dtype."""
+    running sum passed around the ring (tp - 1 ppermutes of [T, D] in
+    ``scatter_dtype``; each add in float32), each device ending with the sum
+    of its own rows -> x's dtype."""
     def up(block_TD):
         return situ_mlp_up(block_TD, w["gate_DF"], w["up_DF"], beta=act.beta,
                            linear_beta=act.linear_beta, backend=backend)
@@ -75,7 +80,39 @@ def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
     def down(h_TF):
         return matmul(h_TF, w["down_FD"], out_dtype=jnp.float32)
 
-    return ring_sp_mlp(x_TD, up, down, TENSOR).astype(x_TD.dtype)
+    return ring_sp_mlp(x_TD, up, down, TENSOR, scatter_dtype).astype(x_TD.dtype)
+
+
+def gather_gate_up(w: MlpWeights) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map: this device's gate_DF, up_DF [D, F/tp] -> the full
+    (gate_DF, up_DF) [D, F], F in device order, in ONE all-gather over TENSOR
+    of the two stacked ([2, D, F/tp] -> [2, D, F]), in their dtype."""
+    gate_up_2DF = jax.lax.all_gather(jnp.stack([w["gate_DF"], w["up_DF"]]), TENSOR, axis=2,
+                                     tiled=True)
+    return gate_up_2DF[0], gate_up_2DF[1]
+
+
+def gather_down(down_FD: jax.Array) -> jax.Array:
+    """Inside shard_map: this device's down_FD [F/tp, D] -> the full [F, D],
+    one all-gather over TENSOR in its dtype."""
+    return jax.lax.all_gather(down_FD, TENSOR, axis=0, tiled=True)
+
+
+def gather_mlp_weights(w: MlpWeights) -> MlpWeights:
+    """Inside shard_map: this device's F shards -> the full weights (the
+    replicated layout's), in two all-gathers over TENSOR (gather_gate_up,
+    gather_down). Under autodiff each transposes to a reduce-scatter of the
+    gradient over TENSOR."""
+    gate_DF, up_DF = gather_gate_up(w)
+    return {"gate_DF": gate_DF, "up_DF": up_DF, "down_FD": gather_down(w["down_FD"])}
+
+
+def mlp_sp_weights_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+    """Rows split over TENSOR, weights moved instead (SharedOverlap.WEIGHTS):
+    gather_mlp_weights, then mlp_replicated_local on own rows; the gathered
+    copy is a temporary of this call. Same arithmetic as the replicated
+    layout (same bits out)."""
+    return mlp_replicated_local(x_TD, gather_mlp_weights(w), act, backend)
 
 
 def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
@@ -89,12 +126,20 @@ MLP_LOCAL = {MlpMode.REPLICATED: mlp_replicated_local,
              MlpMode.TP: mlp_tp_local}
 
 
+SP_LOCAL = {SharedOverlap.NONE: mlp_sp_sharded_local, SharedOverlap.RING: mlp_sp_ring_local,
+            SharedOverlap.WEIGHTS: mlp_sp_weights_local}
+
+
 def mlp_local(layout: MlpLayout):
-    """The per-device body of ``layout``: MLP_LOCAL[mode], or the ring form of
-    an SP-sharded MLP under SharedOverlap.RING."""
-    if layout.overlap is SharedOverlap.RING:
-        return mlp_sp_ring_local
-    return MLP_LOCAL[layout.mode]
+    """The per-device body (x_TD, w, act, backend) -> y_TD of ``layout``:
+    MLP_LOCAL[mode], or for an SP-sharded MLP the form its overlap names
+    (SP_LOCAL), the token-side ones summing in ``layout.scatter_dtype``."""
+    if layout.mode is not MlpMode.SP_SHARDED:
+        return MLP_LOCAL[layout.mode]
+    body = SP_LOCAL[layout.overlap]
+    if layout.overlap.moves_rows:
+        return functools.partial(body, scatter_dtype=layout.scatter_dtype)
+    return body
 
 
 class KimiMLP(nnx.Module):
@@ -143,4 +188,6 @@ def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: Resolv
                                layout.parallel, dtype, layout.param_specs)
 
 
-__all__ = ["KimiMLP", "mlp_decls", "MLP_LOCAL", "mlp_local", "mlp_tp_partial", "MlpWeights"]
+__all__ = ["KimiMLP", "mlp_decls", "MLP_LOCAL", "SP_LOCAL", "mlp_local", "mlp_tp_partial",
+           "gather_gate_up", "gather_down", "gather_mlp_weights", "mlp_sp_weights_local",
+           "MlpWeights"]

@@ -41,13 +41,36 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.config import K3Config
-from k3jax.layout import TENSOR, Dispatch, ExpertStorage, Layout, MlpMode, MoEMode, check_mesh
-from k3jax.modules.mlp import KimiMLP, mlp_local, mlp_tp_partial
+from k3jax.layout import (
+    TENSOR,
+    Dispatch,
+    ExpertStorage,
+    Layout,
+    MlpMode,
+    MoEMode,
+    SharedOverlap,
+    check_mesh,
+)
+from k3jax.modules.mlp import (
+    KimiMLP,
+    gather_down,
+    gather_gate_up,
+    mlp_local,
+    mlp_tp_partial,
+)
 from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
-from k3jax.ops import SiTU, rms_norm, route, routed_experts
-from k3jax.ops.experts import ExpertWeight
+from k3jax.ops import SiTU, rms_norm, route
+from k3jax.ops.experts import (
+    ExpertWeight,
+    combine_pairs,
+    experts_down,
+    experts_up,
+    routed_experts,
+    sort_pairs,
+)
 from k3jax.ops.matmul import matmul
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
+from pallas_kernels.situ_mlp.api import situ_mlp_up
 from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
 
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
@@ -139,22 +162,33 @@ def _latent_out(r_TL, p, cfg: K3Config, dtype):
     return matmul(r, p["lat_up_LD"])
 
 
-def _routed_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
-    """Route own rows x_TD [T, D], then the routed experts held here -> float32
-    latent r_TL [T, L], summed over the experts of this device (EP: global ids
-    from ``first_expert``). With ``layout.dispatch_axes``, lat/ids/weights are
-    all-gathered over them first ([T * n, .]) and r_TL reduce-scattered back."""
+def _dispatch(x_TD, valid_T, p, layout: Layout):
+    """Route own rows x_TD [T, D] and project them to the latent: (lat_TL,
+    ids_TK, w_TK), all-gathered over ``layout.dispatch_axes`` ([T * n, .], n
+    their size) when there are any."""
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], layout.cfg, valid_T)
     lat_TL = matmul(x_TD, p["lat_down_DL"])
     axes = layout.dispatch_axes
     if axes:
         lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-    first_expert = 0
+    return lat_TL, ids_TK, w_TK
+
+
+def _first_expert(layout: Layout):
+    """Global id of this device's first expert (EP), else 0."""
     if layout.moe_mode is MoEMode.EP:
-        first_expert = jax.lax.axis_index(layout.expert_axes) * layout.local_experts
-    r_TL = routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, layout.experts), act,
-                          first_expert=first_expert, backend=layout.backend)
-    return scatter_rows(r_TL, axes) if axes else r_TL
+        return jax.lax.axis_index(layout.expert_axes) * layout.local_experts
+    return 0
+
+
+def _routed_partial(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
+    """Route own rows x_TD [T, D], then the routed experts held here -> float32
+    latent [T * n, L], summed over the experts of this device (EP: global ids
+    from ``first_expert``), unreduced over ``layout.dispatch_axes`` (n their
+    size, 1 without): lat/ids/weights are all-gathered over them first."""
+    lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
+    return routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, layout.experts), act,
+                          first_expert=_first_expert(layout), backend=layout.backend)
 
 
 def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
@@ -162,12 +196,75 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     ``layout.dispatch_axes`` ([T * n, .], n their size); run the experts held
     here (global ids from ``first_expert`` under EP); reduce-scatter the float32
     latent back to [T, L]; add the shared expert of own rows (replicated or
-    SP-sharded, which issues its own gather / scatter over TENSOR)."""
+    SP-sharded, which issues its own collectives over TENSOR; under
+    SharedOverlap.WEIGHTS, shared_weights_local)."""
+    shared = layout.shared_mlp
+    if shared.mode is MlpMode.SP_SHARDED and shared.overlap is SharedOverlap.WEIGHTS:
+        return shared_weights_local(x_TD, valid_T, p, layout=layout, act=act)
     with jax.named_scope(ROUTED_SCOPE):
-        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act)
+        r_TL = _routed_partial(x_TD, valid_T, p, layout=layout, act=act)
+        r_TL = _scatter_latent(r_TL, layout)
         routed_TD = _latent_out(r_TL, p, layout.cfg, x_TD.dtype)
     with jax.named_scope(SHARED_SCOPE):
-        shared_TD = mlp_local(layout.shared_mlp)(x_TD, p["shared"], act, layout.backend)
+        shared_TD = mlp_local(shared)(x_TD, p["shared"], act, layout.backend)
+    return routed_TD + shared_TD
+
+
+def _scatter_latent(r_TL, layout: Layout):
+    axes = layout.dispatch_axes
+    return scatter_rows(r_TL, axes) if axes else r_TL
+
+
+def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
+    """moe_rows_local with the shared expert in SharedOverlap.WEIGHTS, its two
+    weight all-gathers placed under the routed experts' two grouped matmuls.
+    XLA keeps one all-gather in flight at a time, and the routed rows' own
+    all-gathers must land before the first grouped matmul, so each weight
+    gather takes one grouped matmul, pinned there by optimization barriers:
+
+      1. all-gather gate/up stacked (gather_gate_up), issued before the router;
+      2. route, project and gather the routed rows; sort the pairs; the first
+         grouped matmul (gate/up + SiTU);
+      3. barrier: its output, the pairs (top-k weights), x, the gathered
+         gate/up and the down shard -- the gate/up gather and the routed
+         gathers are done before the second grouped matmul, the down gather
+         not begun, and the shared gate/up GEMM cannot be merged with the
+         routed latent projection of the same x (which would pull the
+         gate/up gather's done before the router);
+      4. all-gather down (gather_down); the shared gate/up + SiTU on own rows
+         (the full gate/up die here, before the second grouped matmul's
+         buffers exist); the second grouped matmul; barrier: its output and
+         the gathered down -- the down gather is done right after it, so it
+         travels under it;
+      5. combine the pairs into the routed partial latent; the shared down
+         GEMM while the routed latent is reduce-scattered; the routed
+         latent's RMSNorm and up-projection, then the sum.
+
+    The same ops as the replicated shared expert (situ_mlp's up, then down)
+    and as routed_experts: same bits out."""
+    w = p["shared"]
+    with jax.named_scope(SHARED_SCOPE):
+        gate_DF, up_DF = gather_gate_up(w)
+    with jax.named_scope(ROUTED_SCOPE):
+        lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
+        w1, w3, w2 = expert_weights(p, layout.experts)
+        pairs = sort_pairs(ids_TK, w_TK, layout.local_experts, _first_expert(layout))
+        h_PF = experts_up(lat_TL, pairs, w1, w3, act, layout.backend)
+        h_PF, weights_P, x_shared_TD, gate_DF, up_DF, down_shard_FD = jax.lax.optimization_barrier(
+            (h_PF, pairs.weights_P, x_TD, gate_DF, up_DF, w["down_FD"]))
+        pairs = pairs._replace(weights_P=weights_P)
+    with jax.named_scope(SHARED_SCOPE):
+        down_FD = gather_down(down_shard_FD)
+        h_shared_TF = situ_mlp_up(x_shared_TD, gate_DF, up_DF, beta=act.beta,
+                                  linear_beta=act.linear_beta, backend=layout.backend)
+    with jax.named_scope(ROUTED_SCOPE):
+        y_PL, down_FD = jax.lax.optimization_barrier(
+            (experts_down(h_PF, pairs, w2, layout.backend), down_FD))
+        r_TL = combine_pairs(y_PL, pairs, lat_TL.shape[0])
+    with jax.named_scope(SHARED_SCOPE):
+        shared_TD = matmul(h_shared_TF, down_FD, out_dtype=x_TD.dtype)
+    with jax.named_scope(ROUTED_SCOPE):
+        routed_TD = _latent_out(_scatter_latent(r_TL, layout), p, layout.cfg, x_TD.dtype)
     return routed_TD + shared_TD
 
 
@@ -183,7 +280,8 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     if layout.shared_mlp.mode is not MlpMode.TP:
         raise AssertionError(f"moe_tp_local needs a TP shared expert, got {layout.shared_mlp.mode}")
     with jax.named_scope(ROUTED_SCOPE):
-        r_TL = _routed_latent(x_TD, valid_T, p, layout=layout, act=act)
+        r_TL = _routed_partial(x_TD, valid_T, p, layout=layout, act=act)
+        r_TL = _scatter_latent(r_TL, layout)
     with jax.named_scope(SHARED_SCOPE):
         shared_TD = mlp_tp_partial(x_TD, p["shared"], act, layout.backend)
     L = r_TL.shape[1]

@@ -3,6 +3,8 @@ grouped matmuls (the first with SiTU-GLU fused), weight, and scatter-add back.""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -13,6 +15,22 @@ from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.vma import varying_like_inputs
 
 ExpertWeight = jax.Array | Mxfp4Weights
+
+
+class ExpertPairs(NamedTuple):
+    """The (token, expert) pairs of T rows, sorted by the local expert they go to.
+
+    order_P [P]    pair index (t * K + k) of each sorted position, P = T * K
+    token_P [P]    its token, order_P // K
+    group_sizes_E [E_local]  pairs per local expert (pairs not held here sort
+                   last, past their sum)
+    weights_P [P]  the top-k weight of each pair, in pair order (not sorted)
+    """
+
+    order_P: jax.Array
+    token_P: jax.Array
+    group_sizes_E: jax.Array
+    weights_P: jax.Array
 
 
 def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
@@ -29,10 +47,22 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     device's, or the out-of-range id of a padding row) contribute nothing.
     Returns the float32 partial sum [T, L] (partial over experts under EP and
     over F under TP; the caller reduces it).
+
+    The four stages (sort_pairs, experts_up, experts_down, combine_pairs) are
+    public so a caller can place other work between them.
     """
     _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL)
+    pairs = sort_pairs(ids_TK, weights_TK, w1_ELF.shape[0], first_expert)
+    h_PF = experts_up(lat_TL, pairs, w1_ELF, w3_ELF, act, backend)
+    y_PL = experts_down(h_PF, pairs, w2_EFL, backend)
+    return combine_pairs(y_PL, pairs, lat_TL.shape[0])
+
+
+def sort_pairs(ids_TK: jax.Array, weights_TK: jax.Array, num_local: int,
+               first_expert: jax.Array | int = 0) -> ExpertPairs:
+    """ids_TK, weights_TK [T, K] -> ExpertPairs over the ``num_local`` experts
+    held here (global ids [first_expert, first_expert + num_local))."""
     T, K = ids_TK.shape
-    num_local = w1_ELF.shape[0]
     local_P = ids_TK.reshape(T * K) - first_expert
     held_P = (local_P >= 0) & (local_P < num_local)
     local_P = jnp.where(held_P, local_P, num_local)          # not held -> sorts last
@@ -40,17 +70,31 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     # local_P varies (EP: first_expert from axis_index); autodiff then psums
     # cotangents it must not. Restore the varying type (pallas_kernels.vma).
     order_P = varying_like_inputs(jnp.argsort(local_P, stable=True), local_P)
-    token_P = order_P // K
     group_sizes_E = jnp.zeros(num_local + 1, jnp.int32).at[local_P].add(1)[:num_local]
+    return ExpertPairs(order_P, order_P // K, group_sizes_E, weights_TK.reshape(T * K))
 
-    x_PL = lat_TL[token_P]
-    h_PF = grouped_situ_glu(x_PL, w1_ELF, w3_ELF, group_sizes_E, beta=act.beta,
-                            linear_beta=act.linear_beta, backend=backend)
-    # The pairs not held here sort past sum(group_sizes_E), where grouped_matmul
-    # returns zero rows: that is their (only) masking.
-    y_PL = grouped_matmul(h_PF, w2_EFL, group_sizes_E, backend=backend)
-    contrib_PL = y_PL.astype(jnp.float32) * weights_TK.reshape(T * K)[order_P][:, None]
-    return jnp.zeros((T, lat_TL.shape[1]), jnp.float32).at[token_P].add(contrib_PL)
+
+def experts_up(lat_TL: jax.Array, pairs: ExpertPairs, w1_ELF: ExpertWeight,
+               w3_ELF: ExpertWeight, act: SiTU, backend: Backend = "auto") -> jax.Array:
+    """The first grouped matmul: each sorted pair's latent row through its
+    expert's gate/up + SiTU-GLU -> h_PF [P, F] in lat's dtype."""
+    return grouped_situ_glu(lat_TL[pairs.token_P], w1_ELF, w3_ELF, pairs.group_sizes_E,
+                            beta=act.beta, linear_beta=act.linear_beta, backend=backend)
+
+
+def experts_down(h_PF: jax.Array, pairs: ExpertPairs, w2_EFL: ExpertWeight,
+                 backend: Backend = "auto") -> jax.Array:
+    """The second grouped matmul: h_PF [P, F] -> y_PL [P, L]. The pairs not
+    held here sort past sum(group_sizes_E), where grouped_matmul returns zero
+    rows: that is their (only) masking."""
+    return grouped_matmul(h_PF, w2_EFL, pairs.group_sizes_E, backend=backend)
+
+
+def combine_pairs(y_PL: jax.Array, pairs: ExpertPairs, T: int) -> jax.Array:
+    """Weight each pair's output by its top-k weight and scatter-add it to its
+    token: y_PL [P, L] -> float32 [T, L]."""
+    contrib_PL = y_PL.astype(jnp.float32) * pairs.weights_P[pairs.order_P][:, None]
+    return jnp.zeros((T, y_PL.shape[1]), jnp.float32).at[pairs.token_P].add(contrib_PL)
 
 
 def _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL) -> None:
