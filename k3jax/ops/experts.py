@@ -47,9 +47,12 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
         return grouped_situ_glu(lat_TL[token_P], w1_ELF, w3_ELF, group_sizes_E, beta=act.beta,
                                 linear_beta=act.linear_beta, backend=backend)
 
-    # Under autodiff the backward gathers x_PL = lat_TL[token_P] again instead of
-    # holding it (T * K rows) from the forward; the recomputed h_PF is unused there.
-    h_PF = jax.checkpoint(gate_up)(lat_TL, w1_ELF, w3_ELF)
+    # On "xla", under autodiff, the backward gathers x_PL = lat_TL[token_P] again
+    # instead of holding it (T * K rows) from the forward; the recomputed h_PF is
+    # unused there and XLA drops it. (On the kernel backends the compiled
+    # temporaries are lower without it in some layouts: benchmarks/results/
+    # training_memory.md.)
+    h_PF = (jax.checkpoint(gate_up) if backend == "xla" else gate_up)(lat_TL, w1_ELF, w3_ELF)
     # The pairs not held here sort past sum(group_sizes_E), where grouped_matmul
     # returns zero rows: that is their (only) masking.
     y_PL = grouped_matmul(h_PF, w2_EFL, group_sizes_E, backend=backend)
