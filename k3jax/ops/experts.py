@@ -77,9 +77,17 @@ def sort_pairs(ids_TK: jax.Array, weights_TK: jax.Array, num_local: int,
 def experts_up(lat_TL: jax.Array, pairs: ExpertPairs, w1_ELF: ExpertWeight,
                w3_ELF: ExpertWeight, act: SiTU, backend: Backend = "auto") -> jax.Array:
     """The first grouped matmul: each sorted pair's latent row through its
-    expert's gate/up + SiTU-GLU -> h_PF [P, F] in lat's dtype."""
-    return grouped_situ_glu(lat_TL[pairs.token_P], w1_ELF, w3_ELF, pairs.group_sizes_E,
-                            beta=act.beta, linear_beta=act.linear_beta, backend=backend)
+    expert's gate/up + SiTU-GLU -> h_PF [P, F] in lat's dtype.
+
+    On "xla", under autodiff, the backward gathers x_PL = lat_TL[token_P] again
+    instead of holding its P = T * K rows from the forward (the recomputed h_PF
+    is unused there and XLA drops it). On the kernel backends the compiled
+    temporaries are lower without that in some layouts
+    (benchmarks/results/training_memory.md)."""
+    def gate_up(lat_TL, w1_ELF, w3_ELF):
+        return grouped_situ_glu(lat_TL[pairs.token_P], w1_ELF, w3_ELF, pairs.group_sizes_E,
+                                beta=act.beta, linear_beta=act.linear_beta, backend=backend)
+    return (jax.checkpoint(gate_up) if backend == "xla" else gate_up)(lat_TL, w1_ELF, w3_ELF)
 
 
 def experts_down(h_PF: jax.Array, pairs: ExpertPairs, w2_EFL: ExpertWeight,

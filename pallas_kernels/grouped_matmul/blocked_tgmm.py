@@ -21,7 +21,8 @@ items are consecutive), and a ``lax.scan`` over them
 Groups without rows stay exact zeros; empty items skip the product
 (``lax.cond``). Nothing of size [M, G, ...] is allocated.
 
-``grouped_situ_glu_vjp`` is the fused pair's whole backward on "xla" in one
+``grouped_matmul_vjp`` is grouped_matmul's whole backward on "xla" (dx and dw)
+in one such scan, and ``grouped_situ_glu_vjp`` the fused pair's whole backward on "xla" in one
 such scan (recompute, SiTU-GLU derivative, dx and both weight gradients per
 item), so no [M, 2N] cotangent of the pre-activations is ever materialized.
 """
@@ -84,6 +85,59 @@ def tgmm(x_MK: jax.Array, dy_MP: jax.Array, group_sizes_G: jax.Array, *,
     return dw_GKN
 
 
+
+def grouped_matmul_vjp(x_MK: jax.Array, w_GKN: jax.Array, dy_MN: jax.Array,
+                       group_sizes_G: jax.Array):
+    """(dx_MK, dw_GKN) of y = x @ w[g] for dy_MN [M, N], in one scan over the
+    items: per item dx_B = dy_B @ w[g]^T (f32 accumulation, one cast to x's
+    dtype) written into the item's rows, and x_B^T @ dy_B added to the group's
+    f32 accumulator (as ``tgmm``; dw in w's dtype). One scan, so x and dy are
+    both last read by it and die together (a separate tgmm may be scheduled
+    after the next backward and hold them). Rows of other items and rows >=
+    sum(group_sizes) are zeroed in x and dy first; dx there is exactly 0.
+    Float weights only."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKN.shape
+    dtype, w_dtype = x_MK.dtype, w_GKN.dtype
+    operands = (x_MK, w_GKN, dy_MN, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return filled(operands, (m, k), 0, dtype), filled(operands, (num_groups, k, n), 0, w_dtype)
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+    nt = (((1,), (1,)), ((), ()))
+    tn = (((0,), (0,)), ((), ()))
+
+    def step(carry, item):
+        dx_MK, dw_GKN, acc_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def compute():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            dy_BN = jnp.where(keep_B1, lax.dynamic_slice_in_dim(dy_MN, start, block_m), 0)
+            dy_BN = dy_BN.astype(dtype)
+            w_KN = lax.dynamic_index_in_dim(w_GKN, group, 0, keepdims=False)
+            dx_BK = lax.dot_general(dy_BN, w_KN, nt, preferred_element_type=jnp.float32)
+            return (dx_BK.astype(dtype),
+                    lax.dot_general(x_BK, dy_BN, tn, preferred_element_type=jnp.float32))
+
+        def skip():
+            return (filled(operands, (block_m, k), 0, dtype),
+                    filled(operands, (k, n), 0, jnp.float32))
+
+        dx_BK, p_KN = lax.cond(active, compute, skip)
+        old_BK = lax.dynamic_slice_in_dim(dx_MK, start, block_m)
+        dx_MK = lax.dynamic_update_slice_in_dim(dx_MK, jnp.where(keep_B1, dx_BK, old_BK), start, 0)
+        acc_KN = jnp.where(group == acc_group, acc_KN, 0.0) + p_KN
+        dw_GKN = lax.dynamic_update_slice_in_dim(dw_GKN, acc_KN.astype(w_dtype)[None], group, 0)
+        return (dx_MK, dw_GKN, acc_KN, group + lax.full_like(acc_group, 0)), None
+
+    # dx's zero init leaves an optimization barrier with dy (see grouped_situ_glu_vjp)
+    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), dy_MN))
+    init = (jnp.broadcast_to(zero, (m, k)), filled(operands, (num_groups, k, n), 0, w_dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (), -1, jnp.int32))
+    (dx_MK, dw_GKN, _, _), _ = lax.scan(step, init, items)
+    return dx_MK, dw_GKN
 
 
 def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.Array,
@@ -148,8 +202,9 @@ def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.A
         return (dx_MK, dwg_GKN, dwu_GKN, accg_KN, accu_KN,
                 group + lax.full_like(acc_group, 0)), None
 
-    # dx's zero init leaves an optimization barrier with x (see blocked.py's _blocked)
-    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), x_MK))
+    # dx's zero init leaves an optimization barrier with dh (see blocked.py's
+    # _blocked): dh is the last input to exist, x a residual live since the forward.
+    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), dh_MN))
     init = (jnp.broadcast_to(zero, (m, k)),
             filled(operands, (num_groups, k, n), 0, w_dtype),
             filled(operands, (num_groups, k, n), 0, w_up_GKN.dtype),
@@ -159,4 +214,4 @@ def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.A
     return dx_MK, dwg_GKN, dwu_GKN
 
 
-__all__ = ["grouped_situ_glu_vjp", "tgmm"]
+__all__ = ["grouped_matmul_vjp", "grouped_situ_glu_vjp", "tgmm"]

@@ -9,9 +9,10 @@ grouped_matmul, y = x @ w[g] (rows of group g; rows >= sum(sizes) are 0):
   dx_MK  = grouped_matmul(dy_MN, w_GKN^T)   the backend's forward kernel on a
            [G, N, K] copy of the weights transposed in XLA (one extra read and
            write of w per backward: the forward kernels stream N-major
-           weights only); on "xla" the blocked scan contracting w's N in
-           its dot instead (blocked.grouped_matmul_nt: no copy)
+           weights only)
   dw_GKN = tgmm(x_MK, dy_MN)                per group x_g^T @ dy_g
+  On "xla" both in one blocked scan contracting w's N in its dot (no copy),
+  blocked_tgmm.grouped_matmul_vjp: x and dy die together at its end.
   group_sizes gets no cotangent (None).
 
 grouped_situ_glu, h = situ_glu(x @ w_gate[g], x @ w_up[g]) (fused forward):
@@ -99,10 +100,10 @@ def _grouped_matmul_fwd(forwards, impl, x_MK, w_GKN, group_sizes_G):
 def _grouped_matmul_bwd(forwards, impl, residuals, dy_MN):
     x_MK, w_GKN, group_sizes_G = residuals
     dy_MN = dy_MN.astype(x_MK.dtype)
-    if impl == "xla":
-        dx_MK = blocked.grouped_matmul_nt(dy_MN, (w_GKN,), group_sizes_G)
-    else:
-        dx_MK = forwards.plain(dy_MN, _transposed_GNK(w_GKN), group_sizes_G, impl)
+    if impl == "xla":   # one scan: dx and dw per item
+        dx_MK, dw_GKN = blocked_tgmm.grouped_matmul_vjp(x_MK, w_GKN, dy_MN, group_sizes_G)
+        return like_primal(dx_MK, x_MK), like_primal(dw_GKN, w_GKN), None
+    dx_MK = forwards.plain(dy_MN, _transposed_GNK(w_GKN), group_sizes_G, impl)
     dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, impl, w_GKN.dtype)
     return like_primal(dx_MK.astype(x_MK.dtype), x_MK), like_primal(dw_GKN, w_GKN), None
 
