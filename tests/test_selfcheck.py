@@ -209,3 +209,12 @@ def test_agreed_backends_override_this_process(tmp_path, monkeypatch):
     assert gate.trusted_backend(CONFIG) == "interpret"
     gate.agree({CONFIG.name: "xla"})
     assert gate.trusted_backend(CONFIG) == "xla"
+
+
+def test_processes_combine_to_xla_where_any_check_failed():
+    from k3jax.runtime.agreement import combine_backends
+    views = {0: {"a": "pallas", "b": "pallas", "c": "pallas"},
+             1: {"a": "pallas", "b": "xla"},           # b failed here; c not checked (off)
+             2: {"a": "pallas", "b": "pallas", "c": "pallas"}}
+    assert combine_backends(views) == {"a": "pallas", "b": "xla", "c": "pallas"}
+    assert combine_backends({0: {}, 1: {}}) == {}

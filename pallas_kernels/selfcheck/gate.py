@@ -12,8 +12,9 @@ Environment:
   K3JAX_SELFCHECK          unset / "1": check; "0": no check (the kernel
                            runs unchecked); "strict": a failed check raises
                            SelfCheckError
-  K3JAX_SELFCHECK_PERTURB  a configuration name: its kernel output is
-                           perturbed before the comparison (a test hook)
+  K3JAX_SELFCHECK_PERTURB  a configuration name (or an fnmatch pattern of
+                           names): its kernel output is perturbed before
+                           the comparison (a test hook)
   K3JAX_SELFCHECK_TIMEOUT  seconds one check may take (default 300)
 
 ``records()`` lists what this process decided, in first-launch order (the
@@ -25,6 +26,7 @@ take precedence over this process's own verdicts.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import sys
 import threading
@@ -150,8 +152,9 @@ def save(config: KernelConfig, result: CheckResult) -> str:
 
 def check(config: KernelConfig) -> CheckResult:
     """Run the check of ``config`` now (K3JAX_SELFCHECK_PERTURB applied)."""
+    pattern = os.environ.get(PERTURB_ENV)
     return run_check(config, timeout_s=timeout_s(),
-                     perturb=os.environ.get(PERTURB_ENV) == config.name)
+                     perturb=pattern is not None and fnmatch.fnmatchcase(config.name, pattern))
 
 
 def decide(config: KernelConfig) -> Record:
