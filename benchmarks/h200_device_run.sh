@@ -6,6 +6,10 @@
 #
 # writes under $OUT:
 #   env.txt                GPU, driver, python and package versions
+#   selfcheck_T<T>.json/.log  k3jax selfcheck first: every kernel configuration of
+#                          the K3 MoE layer on this GPU (tp 1, T 16 / 256 / 4096
+#                          tokens) checked against XLA (verdict, max relative
+#                          error), 120 s in all; the cache under $OUT/k3jax-cache
 #   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
 #                          both 256-token rows time their x-lean decode tiling
@@ -52,6 +56,16 @@ print("devices", jax.devices())
 EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
+
+export K3JAX_CACHE_DIR="$out/k3jax-cache"
+selfcheck_start=$SECONDS
+for tokens in 16 256 4096; do
+  left=$((120 - (SECONDS - selfcheck_start)))
+  [ "$left" -le 10 ] && { echo "# selfcheck: no time left for T $tokens"; break; }
+  PYTHONPATH=. timeout "$left" "$python" -m k3jax selfcheck --preset k3 --layer 1 \
+    --tokens "$tokens" --json >"$out/selfcheck_T$tokens.json" 2>"$out/selfcheck_T$tokens.log"
+  echo "# selfcheck T $tokens exit $?"; tail -3 "$out/selfcheck_T$tokens.log"
+done
 
 PYTHONPATH=. timeout 150 "$python" -m benchmarks.kernel_sweep --keep-going --time-budget 90 \
   --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \

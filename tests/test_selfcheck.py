@@ -23,6 +23,8 @@ from pallas_kernels.selfcheck import check, gate
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import KernelConfig
 
+pytestmark = pytest.mark.tiers(slow=["test_the_layer_with_a_fallback_still_matches_its_xla_reference"])
+
 ARGV = ["selfcheck", "--preset", "tiny", "--backend", "interpret", "--tp", "2", "--devices", "2",
         "--sequence-parallel", "--expert-parallel", "--tokens", "16", "--json"]
 
@@ -105,7 +107,17 @@ def test_perturbed_configuration_falls_back_with_one_warning(first_run, tmp_path
     warnings = [line for line in err.splitlines() if "failed its check" in line]
     assert len(warnings) == 1 and victim in warnings[0] and "mismatch" in warnings[0], err
 
-    # The layer itself, in the same process: the fallback runs XLA, the rest their kernels.
+
+def test_the_layer_with_a_fallback_still_matches_its_xla_reference(first_run, tmp_path,
+                                                                   monkeypatch, capsys):
+    """The perturbed routed down-projection runs XLA, the other launches their
+    interpret-mode kernels, and the layer's output matches the xla backend's."""
+    shutil.copytree(first_run[1], tmp_path / "c")
+    for path in (tmp_path / "c").glob("selfcheck-*.json"):
+        if json.loads(path.read_text())["key"]["config"]["op"] == "grouped_matmul":
+            path.unlink()
+    monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv(gate.PERTURB_ENV, "grouped_matmul:*")
     from k3jax.config import TINY
     from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
     from k3jax.modules.layer import build_layer
@@ -123,7 +135,9 @@ def test_perturbed_configuration_falls_back_with_one_warning(first_run, tmp_path
 
     gate.force_mode("1")
     got = forward("interpret")
-    assert [r.backend for r in gate.records() if r.config.name == victim] == ["xla"]
+    assert sorted((r.config.op, r.backend) for r in gate.records()) == [
+        ("grouped_matmul", "xla"), ("grouped_situ_glu", "interpret"), ("situ_mlp_up", "interpret")]
+    assert len([ln for ln in capsys.readouterr().err.splitlines() if "failed its check" in ln]) == 1
     assert rel_err(got, forward("xla")) <= check.TOL_BF16
 
 

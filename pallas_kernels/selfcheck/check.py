@@ -1,8 +1,9 @@
 """One check: run a kernel configuration once, eagerly, on fresh random
 inputs of its shape, and compare it with the XLA path in float32.
 
-Inputs: x [m, k] ~ N(0, 1) in x's dtype; weights [g, k, n] ~ N(0, 1/k) in
-their dtype (MXFP4: random E2M1 codes, scales 2^-4..2^0); group sizes a
+Inputs (generated on the device): x [m, k] ~ N(0, 1) in x's dtype; weights
+[g, k, n] ~ N(0, 1/k) in their dtype (MXFP4: random E2M1 codes, scales
+2^-4..2^0); group sizes a
 random split of m - m // 8 rows over the groups (so rows past sum(group
 sizes), partial tiles at group boundaries, and, with enough groups, empty
 groups occur). The reference is the same dispatch on backend "xla" with x
@@ -45,24 +46,26 @@ def tolerance(config: KernelConfig) -> float:
 
 def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
     """The launch's arguments: {"x", "weights": [1 or 2], "group_sizes"}
-    (module docstring); numpy arrays, or Mxfp4Weights of device arrays."""
+    (module docstring), generated on the default device (jax.random, seeded
+    from ``rng``); weights are arrays or Mxfp4Weights."""
     from pallas_kernels.mxfp4 import Mxfp4Weights
 
     m, k, n, g = config.m, config.k, config.n, config.groups
-    x = rng.standard_normal((m, k)).astype(np.float32).astype(jnp.dtype(config.x_dtype))
+    keys = iter(jax.random.split(jax.random.key(int(rng.integers(2**31))), 8))
+    x = jax.random.normal(next(keys), (m, k), jnp.float32).astype(jnp.dtype(config.x_dtype))
 
     def weight():
         if config.w_dtype == MXFP4:
-            packed = rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)
-            scales = rng.integers(123, 128, (g, k // 32, n), dtype=np.uint8)
-            return Mxfp4Weights(jnp.asarray(packed), jnp.asarray(scales))
-        w = rng.standard_normal((g, k, n)) / np.sqrt(max(k, 1))
-        return w.astype(np.float32).astype(jnp.dtype(config.w_dtype))
+            packed = jax.random.randint(next(keys), (g, k // 2, n), 0, 256, jnp.int32)
+            scales = jax.random.randint(next(keys), (g, k // 32, n), 123, 128, jnp.int32)
+            return Mxfp4Weights(packed.astype(jnp.uint8), scales.astype(jnp.uint8))
+        w = jax.random.normal(next(keys), (g, k, n), jnp.float32) / np.sqrt(max(k, 1))
+        return w.astype(jnp.dtype(config.w_dtype))
 
     rows = m - m // 8 if g > 1 else m
     sizes = rng.multinomial(rows, rng.dirichlet(np.ones(g))).astype(np.int32)
     return {"x": x, "weights": [weight() for _ in range(config.num_weights)],
-            "group_sizes": sizes}
+            "group_sizes": jnp.asarray(sizes)}
 
 
 def launcher(config: KernelConfig, backend: str) -> Callable:
@@ -81,7 +84,7 @@ def launcher(config: KernelConfig, backend: str) -> Callable:
 
 def _as_float32(w):
     from pallas_kernels.mxfp4 import Mxfp4Weights
-    return w if isinstance(w, Mxfp4Weights) else jnp.asarray(w, jnp.float32)
+    return w if isinstance(w, Mxfp4Weights) else w.astype(jnp.float32)
 
 
 def compare(y: np.ndarray, ref: np.ndarray, tol: float) -> tuple[str, float, str | None]:
@@ -130,14 +133,11 @@ def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None) -> 
     t0 = time.perf_counter()
     inputs = random_inputs(config, np.random.default_rng())
     x, ws, gs = inputs["x"], inputs["weights"], inputs["group_sizes"]
-    ref = jax.jit(launcher(config, "xla"))(jnp.asarray(x, jnp.float32),
-                                           [_as_float32(w) for w in ws], jnp.asarray(gs))
+    ref = jax.jit(launcher(config, "xla"))(x.astype(jnp.float32), [_as_float32(w) for w in ws], gs)
     ref = np.asarray(jax.device_get(ref), np.float64)
     try:
         fn = jax.jit(launch or launcher(config, config.backend))
-        y = np.asarray(jax.device_get(fn(jnp.asarray(x), [jnp.asarray(w) if isinstance(w, np.ndarray)
-                                                          else w for w in ws], jnp.asarray(gs))),
-                       np.float64)
+        y = np.asarray(jax.device_get(fn(x, ws, gs)), np.float64)
     except Exception as e:   # a launch error of any kind is the verdict, not a crash
         return CheckResult("error", None, time.perf_counter() - t0, error_line(e))
     if perturb and y.size:
