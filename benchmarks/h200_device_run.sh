@@ -6,10 +6,13 @@
 #
 # writes under $OUT:
 #   env.txt                GPU, driver, python and package versions
-#   selfcheck_T<T>.json/.log  k3jax selfcheck first: every kernel configuration of
-#                          the K3 MoE layer on this GPU (tp 1, T 16 / 256 / 4096
+#   selfcheck_T<T>.json/.log  k3jax selfcheck --tune first: every kernel configuration
+#                          of the K3 MoE layer on this GPU (tp 1, T 16 / 256 / 4096
 #                          tokens) checked against XLA (verdict, max relative
-#                          error), 120 s in all; the cache under $OUT/k3jax-cache
+#                          error) and its candidate tilings timed, 150 s in all;
+#                          the cache under $OUT/k3jax-cache
+#   tuned_tiles_T<T>.py    the tuned picks in tile_table.py's format (k3jax tune
+#                          --export, read back from that cache: no new timing)
 #   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
 #                          both 256-token rows time their x-lean decode tiling
@@ -60,11 +63,14 @@ cat "$out/env.txt"
 export K3JAX_CACHE_DIR="$out/k3jax-cache"
 selfcheck_start=$SECONDS
 for tokens in 16 256 4096; do
-  left=$((120 - (SECONDS - selfcheck_start)))
+  left=$((150 - (SECONDS - selfcheck_start)))
   [ "$left" -le 10 ] && { echo "# selfcheck: no time left for T $tokens"; break; }
-  PYTHONPATH=. timeout "$left" "$python" -m k3jax selfcheck --preset k3 --layer 1 \
-    --tokens "$tokens" --json >"$out/selfcheck_T$tokens.json" 2>"$out/selfcheck_T$tokens.log"
-  echo "# selfcheck T $tokens exit $?"; tail -3 "$out/selfcheck_T$tokens.log"
+  PYTHONPATH=. K3JAX_TUNE_REPEATS=10 timeout "$left" "$python" -m k3jax selfcheck --tune \
+    --preset k3 --layer 1 --tokens "$tokens" --json \
+    >"$out/selfcheck_T$tokens.json" 2>"$out/selfcheck_T$tokens.log"
+  echo "# selfcheck --tune T $tokens exit $?"; tail -3 "$out/selfcheck_T$tokens.log"
+  PYTHONPATH=. timeout 60 "$python" -m k3jax tune --preset k3 --layer 1 --tokens "$tokens" \
+    --json --export "$out/tuned_tiles_T$tokens.py" >/dev/null 2>>"$out/selfcheck_T$tokens.log"
 done
 
 PYTHONPATH=. timeout 150 "$python" -m benchmarks.kernel_sweep --keep-going --time-budget 90 \

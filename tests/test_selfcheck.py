@@ -23,7 +23,8 @@ from pallas_kernels.selfcheck import check, gate
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import KernelConfig
 
-pytestmark = pytest.mark.tiers(slow=["test_the_layer_with_a_fallback_still_matches_its_xla_reference"])
+pytestmark = pytest.mark.tiers(slow=["test_the_layer_with_a_fallback_still_matches_its_xla_reference",
+                                     "test_tune_end_to_end_caches_and_exports_the_picks"])
 
 ARGV = ["selfcheck", "--preset", "tiny", "--backend", "interpret", "--tp", "2", "--devices", "2",
         "--sequence-parallel", "--expert-parallel", "--tokens", "16", "--json"]
@@ -232,3 +233,76 @@ def test_processes_combine_to_xla_where_any_check_failed():
              2: {"a": "pallas", "b": "pallas", "c": "pallas"}}
     assert combine_backends(views) == {"a": "pallas", "b": "xla", "c": "pallas"}
     assert combine_backends({0: {}, 1: {}}) == {}
+
+
+GROUPED = KernelConfig(op="grouped_situ_glu", m=64, k=64, n=64, groups=8, x_dtype="bfloat16",
+                       w_dtype="bfloat16", tiles="swap_ab", backend="interpret", beta=4.0,
+                       linear_beta=25.0)
+
+
+def test_tuning_candidates_come_from_the_committed_table():
+    from pallas_kernels.grouped_matmul import tile_choice
+    from pallas_kernels.selfcheck import tune
+
+    entries = tune.candidates(GROUPED)
+    assert 2 <= len(entries) <= tune.MAX_CANDIDATES
+    assert len({json.dumps(e, sort_keys=True) for e in entries}) == len(entries)
+    own = tile_choice.grouped_config(64, 64, 64, 8, 2, "bfloat16", tuned=False)
+    assert entries[0] == tile_choice.entry_of(own, "grouped")
+    assert tune.candidates(KernelConfig(**{**GROUPED.to_json(), "w_dtype": "mxfp4"})) == []
+
+
+def test_tuning_keeps_the_fastest_passing_candidate_and_later_launches_use_it(monkeypatch):
+    from pallas_kernels.grouped_matmul import tile_choice
+    from pallas_kernels.selfcheck import tune
+
+    entries = tune.candidates(GROUPED)
+    times = iter([30.0, 10.0, 20.0][:len(entries)])
+    verdicts = iter(["ok", "ok", "mismatch"][:len(entries)])
+
+    def fake_check(config, *, timeout_s, perturb, launch, repeats):
+        verdict, us = next(verdicts), next(times)
+        return CheckResult(verdict, 1e-3, 0.1, None if verdict == "ok" else "forced",
+                           timings_us={"median_us": us} if verdict == "ok" else None)
+    monkeypatch.setattr(tune, "run_check", fake_check)
+    result = tune.tune(GROUPED, timeout_s=10, perturb=False)
+    assert result.ok and result.tuned_entry == entries[1]
+    assert result.tuned == tune.label(entries[1], "grouped")
+    assert sorted(result.timings_us.values()) == [10.0, 30.0]    # the failing one is not timed
+    try:
+        tune.install(GROUPED, result)
+        assert tile_choice.entry_of(tile_choice.grouped_config(64, 64, 64, 8, 2, "bfloat16"),
+                                    "grouped") == entries[1]
+    finally:
+        tile_choice.clear_tuned()
+    assert tile_choice.grouped_config(64, 64, 64, 8, 2, "bfloat16") == \
+        tile_choice.row_config(entries[0])
+
+
+def test_tune_end_to_end_caches_and_exports_the_picks(tmp_path, monkeypatch, capsys):
+    """k3jax tune in interpret mode (its times mean nothing): each launch's pick
+    is its fastest candidate, a later selfcheck reads and installs it, and the
+    export is a table tile_choice can read."""
+    from pallas_kernels.grouped_matmul import tile_choice
+    from pallas_kernels.selfcheck import tune
+
+    monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv(tune.REPEATS_ENV, "1")
+    argv = ARGV[1:-1] + ["--expert-dtype", "bfloat16", "--json"]
+    code, out, err = run_selfcheck(capsys, ["tune", *argv, "--export", str(tmp_path / "t.py")])
+    assert code == 0, err
+    for c in out["checks"]:
+        assert c["verdict"] == "ok" and c["tuned"] == min(c["timings_us"], key=c["timings_us"].get)
+    assert max(len(c["timings_us"]) for c in out["checks"]) >= 2
+    table: dict = {}
+    exec((tmp_path / "t.py").read_text(), table)
+    assert len(table["TILES"]) == 3
+    for key, entry in table["TILES"].items():
+        tile_choice.row_config(entry)
+
+    code, again, err = run_selfcheck(capsys, ["selfcheck", *argv])
+    assert code == 0, err
+    assert [(c["cached"], c["tuned"]) for c in again["checks"]] == \
+        [(True, c["tuned"]) for c in out["checks"]]
+    for key, entry in table["TILES"].items():
+        assert tile_choice.entry_of(tile_choice.lookup(*key)[1], key[0]) == entry

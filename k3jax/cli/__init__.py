@@ -14,9 +14,9 @@ from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
-from k3jax.cli import bench, compile, make_checkpoint, plan, run, selfcheck  # noqa: E402
+from k3jax.cli import bench, compile, make_checkpoint, plan, run, selfcheck, tune  # noqa: E402
 
-COMMANDS = (run, make_checkpoint, plan, bench, compile, selfcheck)
+COMMANDS = (run, make_checkpoint, plan, bench, compile, selfcheck, tune)
 
 
 class _Parser(argparse.ArgumentParser):

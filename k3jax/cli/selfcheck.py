@@ -43,6 +43,15 @@ def add_parser(sub) -> None:
                                    "configuration it launches against the XLA path on fresh "
                                    "random inputs; results are cached per machine "
                                    "(K3JAX_CACHE_DIR). A configuration that fails runs XLA.")
+    add_flags(p)
+    p.add_argument("--tune", action="store_true",
+                   help="time the candidate tilings of each launch first (as k3jax tune), check "
+                        "each, cache the fastest; later runs use it")
+    p.set_defaults(main=main)
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The flags selfcheck and tune share: layer, layout, devices, backend, --strict."""
     add_layer_flags(p, default_tokens=DEFAULT_TOKENS, tokens_help="global tokens of the forward")
     add_device_flags(p)
     p.add_argument("--layer", type=non_negative_int, default=DEFAULT_LAYER,
@@ -53,11 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--strict", action="store_true",
                    help="exit 1 on the first configuration that fails its check "
                         "(as K3JAX_SELFCHECK=strict)")
-    p.set_defaults(main=main)
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
-    return report_errors(lambda: _selfcheck(args), prog)
+    return report_errors(lambda: print_checks(args, layer_checks(args, tune=args.tune)), prog)
 
 
 def check_backend_here(backend: str, platform: str) -> None:
@@ -67,7 +75,8 @@ def check_backend_here(backend: str, platform: str) -> None:
         raise UsageError("--backend triton needs jax-triton and triton: pip install 'k3jax[triton]'")
 
 
-def _selfcheck(args: argparse.Namespace) -> int:
+def layer_checks(args: argparse.Namespace, *, tune: bool):
+    """The Records of the layer the flags describe (run_layer_checks)."""
     cfg, _ = config_from_args(args)
     parallel = parallel_from_args(args, args.devices)
     if args.pad_under_ep:
@@ -85,14 +94,17 @@ def _selfcheck(args: argparse.Namespace) -> int:
     check_backend_here(args.backend, jax.default_backend())
     require_devices(parallel.num_devices)
 
+    with layout_errors(parallel):
+        return run_layer_checks(cfg, parallel, args.layer, tokens=args.tokens,
+                                backend=args.backend, dtype=args.dtype,
+                                expert_dtype=args.expert_dtype, tune=tune, strict=args.strict)
+
+
+def print_checks(args: argparse.Namespace, records) -> int:
+    """Print the Records as JSON (--json) or a table; exit status 0."""
     from pallas_kernels.selfcheck.cache import cache_dir
 
-    with layout_errors(parallel):
-        report = run_layer_checks(cfg, parallel, args.layer, tokens=args.tokens,
-                                  backend=args.backend, dtype=args.dtype,
-                                  expert_dtype=args.expert_dtype,
-                                  strict=args.strict)
-    out = {"checks": [r.to_json() for r in report], "cache_dir": str(cache_dir())}
+    out = {"checks": [r.to_json() for r in records], "cache_dir": str(cache_dir())}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -101,7 +113,7 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dtype: str,
-                     expert_dtype: str, strict: bool = False):
+                     expert_dtype: str, tune: bool = False, strict: bool = False):
     """Trace layer ``layer``'s forward for ``tokens`` global rows on this
     process's devices with abstract weights; return the selfcheck Records of
     every kernel configuration it launches (fresh: this process's earlier
@@ -130,10 +142,12 @@ def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dt
     gate.reset()
     jax.clear_caches()   # a launch traced before (this process) would not ask the check again
     gate.force_mode("strict" if strict else "1")
+    gate.force_tune(tune)
     try:
         jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD)).trace(state, x_TD)
     finally:
         gate.force_mode(None)
+        gate.force_tune(None)
     return gate.records()
 
 

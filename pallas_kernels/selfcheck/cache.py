@@ -41,8 +41,9 @@ class CheckResult:
     verdict: "ok" | "mismatch" | "error" | "timeout"; max_rel_err: max |kernel
     - XLA| / max |XLA| in float32 (None when the kernel gave no output);
     seconds: the check's wall time; error: what went wrong (None when ok);
-    tuned: the tiling a tuning run picked for this configuration (None: the
-    committed table's), with the candidates' timings in ``timings_us``.
+    tuned: the tiling a tuning run picked for this configuration (None: not
+    tuned), ``tuned_entry`` the same in the committed table's entry format,
+    the candidates' median times in ``timings_us`` (tiling -> microseconds).
     """
 
     verdict: str
@@ -50,6 +51,7 @@ class CheckResult:
     seconds: float
     error: str | None = None
     tuned: str | None = None
+    tuned_entry: dict | None = None
     timings_us: dict[str, float] | None = None
 
     @property

@@ -129,7 +129,8 @@ def time_launch(fn: Callable, args: tuple, repeats: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None) -> CheckResult:
+def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None,
+               repeats: int) -> CheckResult:
     t0 = time.perf_counter()
     inputs = random_inputs(config, np.random.default_rng())
     x, ws, gs = inputs["x"], inputs["weights"], inputs["group_sizes"]
@@ -144,20 +145,24 @@ def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None) -> 
         y = y.copy()
         y.flat[0] += PERTURBATION * max(float(np.max(np.abs(ref))), 1.0)
     verdict, err, error = compare(y, ref, tolerance(config))
-    return CheckResult(verdict, err, time.perf_counter() - t0, error)
+    timings = ({"median_us": time_launch(fn, (x, ws, gs), repeats)}
+               if repeats and verdict == "ok" else None)
+    return CheckResult(verdict, err, time.perf_counter() - t0, error, timings_us=timings)
 
 
 def run_check(config: KernelConfig, *, timeout_s: float, perturb: bool = False,
-              launch: Callable | None = None) -> CheckResult:
+              launch: Callable | None = None, repeats: int = 0) -> CheckResult:
     """Check ``config`` (module docstring). ``perturb``: add PERTURBATION to
     the kernel's output before the comparison (the test hook). ``launch``:
-    another launcher of the same signature (a tuning candidate's tiling)."""
+    another launcher of the same signature (a tuning candidate's tiling).
+    ``repeats`` > 0: a launch that passes is then timed (time_launch) on the
+    same inputs, the median in ``timings_us["median_us"]``."""
     box: list[CheckResult] = []
     failure: list[BaseException] = []
 
     def work():
         try:
-            box.append(_check_now(config, perturb, launch))
+            box.append(_check_now(config, perturb, launch, repeats))
         except BaseException as e:   # reported in the caller's thread
             failure.append(e)
 

@@ -86,7 +86,8 @@ def describe_tiles(kind: str, tiles: object | None) -> str:
 
 def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype: str,
              backend: str) -> str:
-    """The tiling the backend's dispatch picks for this launch, printed."""
+    """The tiling the backend's dispatch picks for this launch from the
+    committed table (a tuned pick aside), printed."""
     from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
 
     num_weights = 1 if op == "grouped_matmul" else 2
@@ -103,9 +104,9 @@ def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype
         return "empty"
     dtype = jnp.result_type(jnp.dtype(x_dtype), jnp.dtype(w_dtype)).name
     if op == "situ_mlp_up":
-        cfg = tile_choice.mlp_config(m, k, n, dtype)
+        cfg = tile_choice.mlp_config(m, k, n, dtype, tuned=False)
         return describe_tiles("mlp", cfg or mosaic_sm90.default_config(m, 1, 2))
-    swap_ab = tile_choice.grouped_config(m, k, n, groups, num_weights, dtype)
+    swap_ab = tile_choice.grouped_config(m, k, n, groups, num_weights, dtype, tuned=False)
     if swap_ab is not None:
         return describe_tiles("swap_ab", swap_ab)
     return describe_tiles("row_major", mosaic_sm90.default_config(m, groups, num_weights))

@@ -16,6 +16,9 @@ Environment:
                            names): its kernel output is perturbed before
                            the comparison (a test hook)
   K3JAX_SELFCHECK_TIMEOUT  seconds one check may take (default 300)
+  K3JAX_AUTOTUNE           "1": a configuration without a tuned result is
+                           tuned (pallas_kernels.selfcheck.tune) instead of
+                           checked; a cached tuned pick is used either way
 
 ``records()`` lists what this process decided, in first-launch order (the
 ``k3jax selfcheck`` table). ``agree`` installs backends that every
@@ -31,7 +34,7 @@ import os
 import sys
 import threading
 
-from pallas_kernels.selfcheck import cache
+from pallas_kernels.selfcheck import cache, tune
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.check import run_check
 from pallas_kernels.selfcheck.config import (
@@ -72,7 +75,8 @@ class Record:
                 "max_rel_err": None if r is None else r.max_rel_err,
                 "seconds": None if r is None else round(r.seconds, 4),
                 "cached": self.cached, "error": None if r is None else r.error,
-                "tuned": None if r is None else r.tuned}
+                "tuned": None if r is None else r.tuned,
+                "timings_us": None if r is None else r.timings_us}
 
 
 _LOCK = threading.RLock()
@@ -80,6 +84,7 @@ _RECORDS: dict[str, Record] = {}
 _AGREED: dict[str, str] = {}
 _NOTES: set[str] = set()
 _FORCED_MODE: list[str] = []
+_FORCED_TUNE: list[bool] = []
 
 
 def mode() -> str:
@@ -99,6 +104,18 @@ def force_mode(value: str | None) -> None:
     _FORCED_MODE.clear()
     if value is not None:
         _FORCED_MODE.append(value)
+
+
+def tune_on() -> bool:
+    """Tune on a miss: K3JAX_AUTOTUNE=1, or what ``force_tune`` set."""
+    return _FORCED_TUNE[-1] if _FORCED_TUNE else tune.requested()
+
+
+def force_tune(value: bool | None) -> None:
+    """Override K3JAX_AUTOTUNE in this process (None: back to the environment)."""
+    _FORCED_TUNE.clear()
+    if value is not None:
+        _FORCED_TUNE.append(value)
 
 
 def timeout_s() -> float:
@@ -152,9 +169,12 @@ def save(config: KernelConfig, result: CheckResult) -> str:
 
 def check(config: KernelConfig) -> CheckResult:
     """Run the check of ``config`` now (K3JAX_SELFCHECK_PERTURB applied)."""
+    return run_check(config, timeout_s=timeout_s(), perturb=_perturbed(config))
+
+
+def _perturbed(config: KernelConfig) -> bool:
     pattern = os.environ.get(PERTURB_ENV)
-    return run_check(config, timeout_s=timeout_s(),
-                     perturb=pattern is not None and fnmatch.fnmatchcase(config.name, pattern))
+    return pattern is not None and fnmatch.fnmatchcase(config.name, pattern)
 
 
 def decide(config: KernelConfig) -> Record:
@@ -166,9 +186,15 @@ def decide(config: KernelConfig) -> Record:
         if record is None:
             result, path = lookup(config)
             cached = result is not None
+            if tune_on() and (result is None or result.timings_us is None):
+                tuned = tune.tune(config, timeout_s=timeout_s(), perturb=_perturbed(config))
+                if tuned is not None:
+                    result, cached = tuned, False
+                    path = save(config, result)
             if result is None:
                 result = check(config)
                 path = save(config, result)
+            tune.install(config, result)
             record = Record(config, config.backend if result.ok else "xla", result, cached, path)
             _RECORDS[config.name] = record
     if not record.result.ok:
@@ -218,9 +244,12 @@ def agree(backends: dict[str, str]) -> None:
 
 
 def reset() -> None:
-    """Forget this process's decisions, agreed backends and printed notes
+    """Forget this process's decisions, agreed backends, tuned picks and printed notes
     (tests; a new selfcheck run in the same process)."""
+    from pallas_kernels.grouped_matmul import tile_choice
+
     with _LOCK:
         _RECORDS.clear()
         _AGREED.clear()
         _NOTES.clear()
+        tile_choice.clear_tuned()
