@@ -93,8 +93,6 @@ def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype
     num_weights = 1 if op == "grouped_matmul" else 2
     if backend == "triton":
         from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
-        if op == "situ_mlp_up":
-            return "triton-mlp"
         return describe_tiles("triton", default_tiles(m, groups, num_weights,
                                                       jnp.dtype(x_dtype).itemsize,
                                                       w_dtype == MXFP4))

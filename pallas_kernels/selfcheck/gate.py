@@ -28,11 +28,13 @@ take precedence over this process's own verdicts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 from pallas_kernels.selfcheck import cache, tune
 from pallas_kernels.selfcheck.cache import CheckResult
@@ -85,6 +87,7 @@ _AGREED: dict[str, str] = {}
 _NOTES: set[str] = set()
 _FORCED_MODE: list[str] = []
 _FORCED_TUNE: list[bool] = []
+_COLLECTING: list[list[KernelConfig]] = []
 
 
 def mode() -> str:
@@ -205,10 +208,29 @@ def decide(config: KernelConfig) -> Record:
     return record
 
 
+@contextlib.contextmanager
+def collecting() -> Iterator[list[KernelConfig]]:
+    """Within: no check runs; every launch traced adds its KernelConfig
+    (once) to the yielded list and runs its own backend (for reports that
+    compile a layer's kernels without running them)."""
+    found: list[KernelConfig] = []
+    with _LOCK:
+        _COLLECTING.append(found)
+    try:
+        yield found
+    finally:
+        with _LOCK:
+            _COLLECTING.remove(found)
+
+
 def trusted_backend(config: KernelConfig) -> str:
     """The backend ``config`` runs: an agreed one (``agree``), else its own
     kernel's when the check passes (or is off), else "xla"."""
     with _LOCK:
+        if _COLLECTING:
+            if config not in _COLLECTING[-1]:
+                _COLLECTING[-1].append(config)
+            return config.backend
         if config.name in _AGREED:
             return _AGREED[config.name]
     if mode() == "0":
@@ -219,14 +241,14 @@ def trusted_backend(config: KernelConfig) -> str:
 def grouped(op: str, x_MK, w_GKN, backend: str, beta: float | None = None,
             linear_beta: float | None = None) -> str:
     """trusted_backend of a grouped launch ("xla" launches pass through)."""
-    if backend not in CHECKED_BACKENDS or (mode() == "0" and not _AGREED):
+    if backend not in CHECKED_BACKENDS or (mode() == "0" and not (_AGREED or _COLLECTING)):
         return backend
     return trusted_backend(grouped_config(op, x_MK, w_GKN, backend, beta, linear_beta))
 
 
 def mlp(x_TD, gate_DF, backend: str, beta: float, linear_beta: float | None) -> str:
     """trusted_backend of a situ_mlp_up launch ("xla" launches pass through)."""
-    if backend not in CHECKED_BACKENDS or (mode() == "0" and not _AGREED):
+    if backend not in CHECKED_BACKENDS or (mode() == "0" and not (_AGREED or _COLLECTING)):
         return backend
     return trusted_backend(mlp_config(x_TD, gate_DF, backend, beta, linear_beta))
 
