@@ -306,3 +306,22 @@ def test_tune_end_to_end_caches_and_exports_the_picks(tmp_path, monkeypatch, cap
         [(True, c["tuned"]) for c in out["checks"]]
     for key, entry in table["TILES"].items():
         assert tile_choice.entry_of(tile_choice.lookup(*key)[1], key[0]) == entry
+
+
+def test_a_launch_too_large_is_checked_on_fewer_groups_with_its_own_tiling(monkeypatch):
+    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, tile_choice
+
+    own = tile_choice.grouped_config(64, 64, 64, 8, 2, "bfloat16", tuned=False)
+    assert own is not None   # the committed table holds a swap-AB tiling for this launch
+    monkeypatch.setattr(check, "CHECK_WEIGHT_BYTES", 2 * 64 * 64 * 2)   # two bf16 groups
+    assert check.check_groups(GROUPED) == 2
+    seen = []
+    real = mosaic_sm90_swap_ab.grouped_situ_glu
+
+    def spy(x, w_gate, w_up, gs, **kwargs):
+        seen.append((w_gate.shape, kwargs["config"]))
+        return real(x, w_gate, w_up, gs, **kwargs)
+    monkeypatch.setattr(mosaic_sm90_swap_ab, "grouped_situ_glu", spy)
+    result = check.run_check(GROUPED, timeout_s=120)
+    assert result.verdict == "ok" and result.checked_groups == 2, result
+    assert seen == [((2, 64, 64), own)]

@@ -43,7 +43,9 @@ class CheckResult:
     seconds: the check's wall time; error: what went wrong (None when ok);
     tuned: the tiling a tuning run picked for this configuration (None: not
     tuned), ``tuned_entry`` the same in the committed table's entry format,
-    the candidates' median times in ``timings_us`` (tiling -> microseconds).
+    the candidates' median times in ``timings_us`` (tiling -> microseconds);
+    checked_groups: the groups the check ran on when fewer than the
+    launch's (None: the full shape).
     """
 
     verdict: str
@@ -53,6 +55,7 @@ class CheckResult:
     tuned: str | None = None
     tuned_entry: dict | None = None
     timings_us: dict[str, float] | None = None
+    checked_groups: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -15,6 +15,11 @@ float32 x) and y is finite; "mismatch" otherwise (NaN never passes);
 "error" when the kernel raised; "timeout" when it ran past the limit (the
 check then runs on in a daemon thread, its result discarded).
 
+A launch whose weights are larger than CHECK_WEIGHT_BYTES each is checked
+on fewer groups (check_groups) with the same M rows and the same tiling
+(fixed_tiling_launcher), which still covers every tile kind: full and
+partial tiles, empty groups and the rows past the groups.
+
 The check runs in a thread of its own: there no trace of the caller's is
 active, so it executes eagerly even when called while the caller's jit or
 shard_map is being traced.
@@ -22,6 +27,7 @@ shard_map is being traced.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +39,7 @@ import numpy as np
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import MXFP4, KernelConfig
 
+CHECK_WEIGHT_BYTES = 4 << 30   # per weight: larger launches are checked on fewer groups
 TOL_BF16 = 1e-2
 TOL_F32 = 5e-5
 PERTURBATION = 0.5   # added to one output element, times max |ref|
@@ -66,6 +73,47 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
     sizes = rng.multinomial(rows, rng.dirichlet(np.ones(g))).astype(np.int32)
     return {"x": x, "weights": [weight() for _ in range(config.num_weights)],
             "group_sizes": jnp.asarray(sizes)}
+
+
+def check_groups(config: KernelConfig) -> int:
+    """The groups a check of ``config`` runs: all of them while one weight
+    takes at most CHECK_WEIGHT_BYTES, else as many as fit (at least 1)."""
+    per_group = config.k * config.n * (17 / 32 if config.w_dtype == MXFP4
+                                       else jnp.dtype(config.w_dtype).itemsize)
+    if config.groups * per_group <= CHECK_WEIGHT_BYTES:
+        return config.groups
+    return max(1, int(CHECK_WEIGHT_BYTES // per_group))
+
+
+def fixed_tiling_launcher(config: KernelConfig) -> Callable:
+    """A launcher that runs config's own tiling on inputs with fewer groups
+    (the dispatch would re-pick tiles from the smaller shape): the committed
+    pick through tune.launcher on the Mosaic backends, the Triton dispatch's
+    tiles passed explicitly, and MXFP4 Mosaic kernels, whose tiling does not
+    depend on the groups, through the dispatch."""
+    from pallas_kernels.selfcheck import tune
+
+    if config.backend == "triton":
+        from pallas_kernels.grouped_matmul import api
+        from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
+
+        t = default_tiles(config.m, config.groups, config.num_weights,
+                          jnp.dtype(config.x_dtype).itemsize, config.w_dtype == MXFP4)
+        k = api.triton_kernels()
+        b = dict(beta=config.beta, linear_beta=config.linear_beta)
+        if config.w_dtype == MXFP4 and config.op == "grouped_matmul":
+            return lambda x, ws, gs: k.grouped_matmul_mxfp4(x, ws[0].packed_GKN, ws[0].scale_GKN,
+                                                            gs, config=t)
+        if config.w_dtype == MXFP4:
+            return lambda x, ws, gs: k.grouped_situ_glu_mxfp4(
+                x, ws[0].packed_GKN, ws[0].scale_GKN, ws[1].packed_GKN, ws[1].scale_GKN, gs,
+                config=t, **b)
+        if config.op == "grouped_matmul":
+            return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
+        return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)
+    if config.w_dtype == MXFP4:
+        return launcher(config, config.backend)
+    return tune.launcher(config, tune.candidates(config)[0])
 
 
 def launcher(config: KernelConfig, backend: str) -> Callable:
@@ -132,12 +180,17 @@ def time_launch(fn: Callable, args: tuple, repeats: int) -> float:
 def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None,
                repeats: int) -> CheckResult:
     t0 = time.perf_counter()
-    inputs = random_inputs(config, np.random.default_rng())
+    groups = check_groups(config)
+    shape = config if groups == config.groups else dataclasses.replace(config, groups=groups)
+    inputs = random_inputs(shape, np.random.default_rng())
     x, ws, gs = inputs["x"], inputs["weights"], inputs["group_sizes"]
-    ref = jax.jit(launcher(config, "xla"))(x.astype(jnp.float32), [_as_float32(w) for w in ws], gs)
+    ref = jax.jit(launcher(shape, "xla"))(x.astype(jnp.float32), [_as_float32(w) for w in ws], gs)
     ref = np.asarray(jax.device_get(ref), np.float64)
     try:
-        fn = jax.jit(launch or launcher(config, config.backend))
+        if launch is None:
+            launch = (launcher(config, config.backend) if shape is config
+                      else fixed_tiling_launcher(config))
+        fn = jax.jit(launch)
         y = np.asarray(jax.device_get(fn(x, ws, gs)), np.float64)
     except Exception as e:   # a launch error of any kind is the verdict, not a crash
         return CheckResult("error", None, time.perf_counter() - t0, error_line(e))
@@ -147,7 +200,8 @@ def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None,
     verdict, err, error = compare(y, ref, tolerance(config))
     timings = ({"median_us": time_launch(fn, (x, ws, gs), repeats)}
                if repeats and verdict == "ok" else None)
-    return CheckResult(verdict, err, time.perf_counter() - t0, error, timings_us=timings)
+    return CheckResult(verdict, err, time.perf_counter() - t0, error, timings_us=timings,
+                       checked_groups=None if shape is config else groups)
 
 
 def run_check(config: KernelConfig, *, timeout_s: float, perturb: bool = False,

@@ -78,7 +78,8 @@ class Record:
                 "seconds": None if r is None else round(r.seconds, 4),
                 "cached": self.cached, "error": None if r is None else r.error,
                 "tuned": None if r is None else r.tuned,
-                "timings_us": None if r is None else r.timings_us}
+                "timings_us": None if r is None else r.timings_us,
+                "checked_groups": None if r is None else r.checked_groups}
 
 
 _LOCK = threading.RLock()

@@ -83,7 +83,9 @@ def label(entry: dict, op: str) -> str:
 
 
 def launcher(config: KernelConfig, entry: dict):
-    """(x, weights, group_sizes) -> y with the tiling ``entry``, on config's backend."""
+    """(x, weights, group_sizes) -> y with the tiling ``entry`` (row-major: the
+    default tiles of config's shape), on config's backend; the tiling stays
+    fixed when the inputs have fewer groups than ``config``."""
     from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab, tile_choice
     from pallas_kernels.situ_mlp import mosaic_sm90 as mlp_kernel
 
@@ -95,7 +97,9 @@ def launcher(config: KernelConfig, entry: dict):
                                                         linear_beta=linear_beta, config=cfg,
                                                         interpret=interpret)
     module = mosaic_sm90 if cfg is None else mosaic_sm90_swap_ab
-    extra = {} if cfg is None else {"config": cfg}
+    # row-major: the default tiles of config's own shape, also on fewer groups (check.py)
+    extra = {"config": cfg or mosaic_sm90.default_config(config.m, config.groups,
+                                                           config.num_weights)}
     if config.op == "grouped_matmul":
         return lambda x, ws, gs: module.grouped_matmul(x, ws[0], gs, interpret=interpret, **extra)
     return lambda x, ws, gs: module.grouped_situ_glu(x, ws[0], ws[1], gs, beta=beta,
