@@ -8,6 +8,7 @@ unwritable cache directory reported once, and the verdict rules."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -325,3 +326,63 @@ def test_a_launch_too_large_is_checked_on_fewer_groups_with_its_own_tiling(monke
     result = check.run_check(GROUPED, timeout_s=120)
     assert result.verdict == "ok" and result.checked_groups == 2, result
     assert seen == [((2, 64, 64), own)]
+
+
+def test_cache_files_of_another_format_or_key_are_ignored_naming_them(tmp_path):
+    from pallas_kernels.selfcheck import cache
+
+    key = cache.key_of(CONFIG.to_json(), {"jax": "1"})
+    path = cache.path_of(tmp_path, key)
+    assert cache.load(path, key) == (None, None)
+    good = CheckResult("ok", 1e-6, 0.5)
+    assert cache.store(path, key, good) is None
+    assert cache.load(path, key) == (good, None)
+    assert cache.load(path, cache.key_of(CONFIG.to_json(), {"jax": "2"}))[1] == \
+        f"{path} holds another key"
+    entry = json.loads(path.read_text())
+    path.write_text(json.dumps({**entry, "format": cache.FORMAT + 1}))
+    assert cache.load(path, key) == (None, f"{path} has another format")
+    path.write_text(json.dumps({**entry, "result": {"verdict": "fine"}}))
+    assert "is corrupt" in cache.load(path, key)[1]
+
+
+def test_concurrent_writers_never_leave_a_partial_file(tmp_path):
+    import threading
+
+    from pallas_kernels.selfcheck import cache
+
+    key = cache.key_of(CONFIG.to_json(), {"jax": "1"})
+    path = cache.path_of(tmp_path, key)
+    results = [CheckResult("ok", i * 1e-7, float(i), timings_us={str(j): float(j) for j in range(50)})
+               for i in range(8)]
+    seen, problems = [], []
+
+    def writer(result):
+        for _ in range(25):
+            if (why := cache.store(path, key, result)) is not None:
+                problems.append(why)
+            got, why = cache.load(path, key)
+            if why is not None or got is None:
+                problems.append(why)
+            seen.append(got)
+    threads = [threading.Thread(target=writer, args=(r,)) for r in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == [] and all(s in results for s in seen)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]   # no temporary file left
+
+
+def test_strict_selfcheck_exits_1_naming_the_failed_configuration(first_run, tmp_path,
+                                                                   monkeypatch, capsys):
+    shutil.copytree(first_run[1], tmp_path / "c")
+    for path in (tmp_path / "c").glob("selfcheck-*.json"):
+        if json.loads(path.read_text())["key"]["config"]["op"] == "situ_mlp_up":
+            path.unlink()
+    monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv(gate.PERTURB_ENV, "situ_mlp_up:*")
+    monkeypatch.setenv(gate.MODE_ENV, "strict")
+    code, _, err = run_selfcheck(capsys)
+    assert code == 1
+    assert re.search(r"error: k3jax selfcheck: situ_mlp_up:\S+ failed its check \(mismatch", err), err

@@ -70,9 +70,21 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 def check_backend_here(backend: str, platform: str) -> None:
     """A UsageError naming ``backend`` when this machine cannot run it."""
+    import jax
+
+    from pallas_kernels.backend import cuda_capability, describe_devices
+
     check_backend(backend, platform)
     if backend == "triton" and importlib.util.find_spec("jax_triton") is None:
         raise UsageError("--backend triton needs jax-triton and triton: pip install 'k3jax[triton]'")
+    if backend in ("pallas", "triton"):
+        capability = cuda_capability(describe_devices(jax.devices()[:1]))
+        if backend == "pallas" and (capability is None or capability // 10 != 9):
+            raise UsageError(f"--backend pallas needs a Hopper GPU (sm_90), and this one is "
+                             f"sm_{capability}; use --backend triton or xla")
+        if backend == "triton" and (capability is None or capability < 80):
+            raise UsageError(f"--backend triton needs a CUDA GPU sm_80 or newer, and this one is "
+                             f"sm_{capability}")
 
 
 def layer_checks(args: argparse.Namespace, *, tune: bool):
@@ -117,7 +129,9 @@ def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dt
     """Trace layer ``layer``'s forward for ``tokens`` global rows on this
     process's devices with abstract weights; return the selfcheck Records of
     every kernel configuration it launches (fresh: this process's earlier
-    decisions and traces are forgotten first, the cache is not)."""
+    decisions and traces are forgotten first, the cache is not). The check
+    runs even under K3JAX_SELFCHECK=0; ``strict`` (or K3JAX_SELFCHECK=strict)
+    raises SelfCheckError at the first failure."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -141,7 +155,7 @@ def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dt
     graph, state = nnx.split(module)
     gate.reset()
     jax.clear_caches()   # a launch traced before (this process) would not ask the check again
-    gate.force_mode("strict" if strict else "1")
+    gate.force_mode("strict" if strict or gate.mode() == "strict" else "1")
     gate.force_tune(tune)
     try:
         jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD)).trace(state, x_TD)
