@@ -7,9 +7,10 @@ resolved backend, and the SiTU betas of the fused ops. ``name`` is its
 printable form (the selfcheck table, the warning lines and
 K3JAX_SELFCHECK_PERTURB use it).
 
-``environment()`` is the rest of a cache key: device kind, platform version
-(driver / CUDA where the runtime reports them), jax and jaxlib versions and a
-hash of the kernel sources.
+``environment()`` is the rest of a cache key: device kind, the runtime's
+platform version (the CUDA version on a GPU), the NVIDIA driver's version
+line where the system has one, jax and jaxlib versions and a hash of the
+kernel sources.
 """
 
 from __future__ import annotations
@@ -155,6 +156,17 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+_NVIDIA_DRIVER_FILE = pathlib.Path("/proc/driver/nvidia/version")
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver's version line (Linux), "" where there is none."""
+    try:
+        return _NVIDIA_DRIVER_FILE.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return ""
+
+
 @functools.cache
 def environment() -> dict[str, str]:
     """The machine and software half of a cache key (this process's first device)."""
@@ -164,5 +176,6 @@ def environment() -> dict[str, str]:
     return {"platform": device.platform, "device_kind": device.device_kind,
             "compute_capability": describe_devices([device]).compute_capability,
             "platform_version": device.client.platform_version,
+            "driver": driver_version(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "kernel_sources": source_hash()}
