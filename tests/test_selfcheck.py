@@ -386,3 +386,9 @@ def test_strict_selfcheck_exits_1_naming_the_failed_configuration(first_run, tmp
     code, _, err = run_selfcheck(capsys)
     assert code == 1
     assert re.search(r"error: k3jax selfcheck: situ_mlp_up:\S+ failed its check \(mismatch", err), err
+
+
+def test_check_inputs_cover_the_tail_rows_and_an_empty_group():
+    for seed in range(5):
+        sizes = np.asarray(check.random_inputs(GROUPED, np.random.default_rng(seed))["group_sizes"])
+        assert sizes.shape == (8,) and sizes.sum() == 64 - 8 and (sizes == 0).any()

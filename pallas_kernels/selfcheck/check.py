@@ -4,10 +4,10 @@ inputs of its shape, and compare it with the XLA path in float32.
 Inputs (generated on the device): x [m, k] ~ N(0, 1) in x's dtype; weights
 [g, k, n] ~ N(0, 1/k) in their dtype (MXFP4: random E2M1 codes, scales
 2^-4..2^0); group sizes a
-random split of m - m // 8 rows over the groups (so rows past sum(group
-sizes), partial tiles at group boundaries, and, with enough groups, empty
-groups occur). The reference is the same dispatch on backend "xla" with x
-and dense weights cast to float32.
+random split of m - m // 8 rows over the groups, one of them empty when
+there are 3 or more (so rows past sum(group sizes), partial tiles at group
+boundaries and an empty group occur). The reference is the same dispatch
+on backend "xla" with x and dense weights cast to float32.
 
 Verdicts: "ok" when max |y - ref| / max |ref| <= the tolerance (TOL_BF16 for
 16-bit x and MXFP4 weights, whose kernels multiply in bf16; TOL_F32 for
@@ -70,7 +70,10 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
         return w.astype(jnp.dtype(config.w_dtype))
 
     rows = m - m // 8 if g > 1 else m
-    sizes = rng.multinomial(rows, rng.dirichlet(np.ones(g))).astype(np.int32)
+    filled = g - 1 if g >= 3 else g            # one empty group where there are 3 or more
+    sizes = rng.multinomial(rows, rng.dirichlet(np.ones(filled))).astype(np.int32)
+    if filled < g:
+        sizes = np.insert(sizes, rng.integers(g), 0).astype(np.int32)
     return {"x": x, "weights": [weight() for _ in range(config.num_weights)],
             "group_sizes": jnp.asarray(sizes)}
 
