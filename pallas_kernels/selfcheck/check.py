@@ -3,10 +3,9 @@ inputs of its shape, and compare it with the XLA path in float32.
 
 Inputs (generated on the device): x [m, k] ~ N(0, 1) in x's dtype; weights
 [g, k, n] ~ N(0, 1/k) in their dtype (MXFP4: random E2M1 codes, scales
-2^-4..2^0); group sizes a
-random split of m - m // 8 rows over the groups, one of them empty when
-there are 3 or more (so rows past sum(group sizes), partial tiles at group
-boundaries and an empty group occur). The reference is the same dispatch
+2^-4..2^0); group sizes a random split of m - m // 8 rows over the
+groups, one of them empty when there are 3 or more (so rows past sum(group
+sizes), partial tiles at group boundaries and an empty group occur). The reference is the same dispatch
 on backend "xla" with x and dense weights cast to float32.
 
 Verdicts: "ok" when max |y - ref| / max |ref| <= the tolerance (TOL_BF16 for
