@@ -6,6 +6,13 @@
 #
 # writes under $OUT:
 #   env.txt                GPU, driver, python and package versions
+#   selfcheck_T<T>.json/.log  k3jax selfcheck --tune first: every kernel configuration
+#                          of the K3 MoE layer on this GPU (tp 1, T 16 / 256 / 4096
+#                          tokens) checked against XLA (verdict, max relative
+#                          error) and its candidate tilings timed, 150 s in all;
+#                          the cache under $OUT/k3jax-cache
+#   tuned_tiles_T<T>.py    the tuned picks in tile_table.py's format (k3jax tune
+#                          --export, read back from that cache: no new timing)
 #   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
 #                          both 256-token rows time their x-lean decode tiling
@@ -52,6 +59,21 @@ print("devices", jax.devices())
 EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
+
+export K3JAX_CACHE_DIR="$out/k3jax-cache"
+selfcheck_start=$SECONDS
+for tokens in 16 256 4096; do
+  left=$((150 - (SECONDS - selfcheck_start)))
+  [ "$left" -le 10 ] && { echo "# selfcheck: no time left for T $tokens"; break; }
+  PYTHONPATH=. K3JAX_TUNE_REPEATS=10 timeout "$left" "$python" -m k3jax selfcheck --tune \
+    --preset k3 --layer 1 --tokens "$tokens" --json \
+    >"$out/selfcheck_T$tokens.json" 2>"$out/selfcheck_T$tokens.log"
+  echo "# selfcheck --tune T $tokens exit $?"; tail -3 "$out/selfcheck_T$tokens.log"
+  PYTHONPATH=. timeout 60 "$python" -m k3jax tune --preset k3 --layer 1 --tokens "$tokens" \
+    --json --export "$out/tuned_tiles_T$tokens.py" >/dev/null 2>>"$out/selfcheck_T$tokens.log"
+done
+# The benchmarks below check every output themselves: no check on first use there.
+export K3JAX_SELFCHECK=0
 
 PYTHONPATH=. timeout 150 "$python" -m benchmarks.kernel_sweep --keep-going --time-budget 90 \
   --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \

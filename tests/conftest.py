@@ -23,6 +23,10 @@ _FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensi
 if _FAST_CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_CPU_FLAGS).strip()
 
+# The kernel check on first use (pallas_kernels.selfcheck) is off for the
+# suite, which tests its kernels itself; tests/test_selfcheck.py turns it on.
+os.environ.setdefault("K3JAX_SELFCHECK", "0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -90,6 +94,12 @@ def eight_devices():
     devices = jax.devices()
     assert len(devices) >= 8, f"these tests need 8 devices, found {len(devices)}: {devices}"
     return devices[:8]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _selfcheck_cache_folder(tmp_path_factory):
+    """The kernel check's cache (K3JAX_CACHE_DIR) never the user's: one per run."""
+    os.environ.setdefault("K3JAX_CACHE_DIR", str(tmp_path_factory.mktemp("k3jax-cache")))
 
 
 @pytest.fixture(scope="session", autouse=True)

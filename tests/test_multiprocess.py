@@ -34,6 +34,7 @@ pytestmark = pytest.mark.tiers(
         "test_killed_peer_ends_the_survivor_with_a_clear_error",
         "test_processes_that_disagree_stop_with_a_clear_error",
         "test_a_process_that_fails_is_reported_by_every_process",
+        "test_processes_agree_on_the_kernel_backend_per_configuration",
     ],
     integration=["test_the_worker_exit_code_passes_through_the_child"])
 
@@ -296,3 +297,30 @@ def test_the_worker_exit_code_passes_through_the_child():
                         "child_main()", "k3jax.runtime.supervision:abandon", "2"],
                        capture_output=True, text=True, timeout=120, env=base_env())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_processes_agree_on_the_kernel_backend_per_configuration(problem, tmp_path, procs):
+    """Every check fails on process 1 (the perturbation hook) and passes on
+    process 0: both run every launch on xla, and the output matches the
+    single-process xla run."""
+    root, ckpt, x = problem
+    port = free_port()
+    flags = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), "--devices", "2",
+             "--tp", "2", "--sequence-parallel", "--expert-parallel"]
+    y_ref, y_mp = tmp_path / "y_ref.npy", tmp_path / "y_mp.npy"
+    assert cli_main(["run", *flags, "--backend", "xla", "--output", str(y_ref)]) == 0
+    env = dict(K3JAX_SELFCHECK="1", K3JAX_CACHE_DIR=str(tmp_path / "cache0"))
+    procs.append(start([*flags, "--backend", "interpret", "--output", str(y_mp),
+                        *dist_flags(port, 0)], tmp_path, "p0", base_env(**env)))
+    env.update(K3JAX_CACHE_DIR=str(tmp_path / "cache1"), K3JAX_SELFCHECK_PERTURB="*")
+    procs.append(start([*flags, "--backend", "interpret", *dist_flags(port, 1)], tmp_path, "p1",
+                       base_env(**env)))
+    errs = []
+    for p in procs:
+        code, out, err = finish(p, RUN_TIMEOUT_S)
+        assert code == 0, (p.name, code, out, err)
+        errs.append(err)
+    agreed = re.findall(r"(\w+):\S+ runs xla on every process", errs[0])
+    failed = re.findall(r"(\w+):\S+ failed its check \(mismatch", errs[1])
+    assert sorted(agreed) == sorted(failed) == ["grouped_matmul", "grouped_situ_glu", "situ_mlp_up"]
+    assert rel_err(np.load(y_mp), np.load(y_ref)) <= 1e-5

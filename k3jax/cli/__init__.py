@@ -14,9 +14,10 @@ from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
-from k3jax.cli import bench, compile, latency, load_bench, make_checkpoint, plan, run  # noqa: E402
+from k3jax.cli import (  # noqa: E402
+    bench, compile, latency, load_bench, make_checkpoint, plan, run, selfcheck, tune)
 
-COMMANDS = (run, make_checkpoint, plan, bench, compile, latency, load_bench)
+COMMANDS = (run, make_checkpoint, plan, bench, compile, latency, load_bench, selfcheck, tune)
 
 
 class _Parser(argparse.ArgumentParser):

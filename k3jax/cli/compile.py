@@ -37,8 +37,12 @@ def add_parser(sub) -> None:
                     tokens_help="global tokens of the forward")
     p.add_argument("--layer", type=non_negative_int, default=DEFAULT_LAYER,
                    help=f"layer index: 0 is the dense layer, 1 and up MoE (default {DEFAULT_LAYER})")
-    p.add_argument("--backend", choices=("xla", "pallas"), default="xla",
-                   help="xla (default) or pallas (the Mosaic GPU kernels, compiled through ptxas)")
+    p.add_argument("--backend", choices=("xla", "pallas", "triton"), default="xla",
+                   help="xla (default), pallas (the Mosaic GPU kernels, compiled through ptxas) "
+                        "or triton (only the layer's Triton kernels, compiled by Triton for "
+                        "--compute-capability)")
+    p.add_argument("--compute-capability", type=int, choices=(80, 89, 90, 100), default=None,
+                   help="with --backend triton: the target GPU's compute capability (default 90)")
     p.add_argument("--grads", action="store_true",
                    help="compile the layer's training step instead: the forward and its VJP for "
                         "a cotangent of the output (what k3jax run --grads runs); fits_h200 then "
@@ -53,10 +57,35 @@ def main(args: argparse.Namespace, prog: str) -> int:
     # platform is the CPU: this never initializes (or touches) a GPU.
     import jax
     jax.config.update("jax_platforms", "cpu")
+    if args.backend == "triton":
+        from k3jax.compile_triton import print_report as print_triton
+        return report_errors(lambda: print_result(_compile_triton(args), args.json, print_triton),
+                             prog)
     return report_errors(lambda: print_result(_compile(args), args.json, print_report), prog)
 
 
+def _compile_triton(args: argparse.Namespace):
+    """The layer's Triton kernels compiled for --compute-capability (k3jax.compile_triton)."""
+    from k3jax.compile_triton import TritonCompileReport, compile_layer_triton
+
+    cfg, _ = config_from_args(args)
+    parallel = layer_parallel_from_args(args)
+    if args.layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    if args.grads:
+        raise UsageError("--grads compiles through XLA: use it with --backend xla or pallas")
+    capability = args.compute_capability or 90
+    with layout_errors(parallel):
+        kernels = compile_layer_triton(cfg, parallel, args.layer, tokens=args.tokens,
+                                       dtype=args.dtype, expert_dtype=args.expert_dtype,
+                                       capability=capability)
+    return TritonCompileReport(layer=args.layer, tokens=args.tokens, parallel=parallel,
+                               capability=capability, kernels=tuple(kernels))
+
+
 def _compile(args: argparse.Namespace):
+    if args.compute_capability is not None:
+        raise UsageError("--compute-capability needs --backend triton")
     cfg, _ = config_from_args(args)
     parallel = layer_parallel_from_args(args)
     if args.layer >= cfg.num_hidden_layers:

@@ -257,6 +257,8 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         graphdefs, state = zip(*(nnx.split(m) for m in modules))
         forward = jax.jit(lambda state, x: _in_sequence(graphdefs, state, x).astype(jnp.float32))
         x_dev = jnp.asarray(x) if spec is None else agreement.replicated(x, mesh)
+        if spec is not None and args.backend != "xla":
+            _agree_kernel_backends(spec, forward, state, x_dev)
         t0 = time.perf_counter()
         y = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
         first = time.perf_counter() - t0
@@ -389,6 +391,26 @@ def _agree(args: argparse.Namespace, spec: startup.ProcessSpec, parallel, path: 
         error = str(e)
     agreement.check_agreement(spec, items, error)
     return opened
+
+
+def _agree_kernel_backends(spec: startup.ProcessSpec, forward, state, x_dev) -> None:
+    """Trace ``forward`` (each kernel launch checks itself on this process's
+    devices: pallas_kernels.selfcheck), then make every process run the
+    backend all of them agree on per configuration (agreement.agree_backends)."""
+    import jax
+
+    from pallas_kernels.selfcheck import gate
+
+    forward.trace(state, x_dev)
+    mine = {r.config.name: r.backend for r in gate.records()}
+    agreed = agreement.agree_backends(spec, mine)
+    gate.agree(agreed)
+    changed = sorted(name for name, backend in agreed.items() if mine.get(name) != backend)
+    for name in changed:
+        gate.note(f"{spec.tag} k3jax selfcheck: {name} runs {agreed[name]} on every process "
+                  f"(its check failed on another)")
+    if changed:   # retrace with the agreed backends
+        jax.clear_caches()
 
 
 def _describe_layout(module, is_moe: bool) -> str:

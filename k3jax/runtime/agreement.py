@@ -8,6 +8,11 @@ each item that differs and its value on each process. Every process computes
 the same message from the same views, so all of them fail alike. It needs no
 devices, so it works even when the processes would build different meshes.
 
+:func:`agree_backends` does the same for the kernel backend of every
+kernel configuration (pallas_kernels.selfcheck): each process checks its own
+devices, and a configuration that fell back to "xla" on any process runs
+"xla" on all of them, so that every process runs the same program.
+
 :func:`replicated` and :func:`gather` move host arrays onto and off a mesh
 that spans every process; both are collective (every process calls them).
 """
@@ -23,6 +28,7 @@ import numpy as np
 from k3jax.runtime.startup import DistributedError, ProcessSpec, init_timeout_s
 
 _AGREEMENT_KEY = "k3jax/agreement/"
+_BACKENDS_KEY = "k3jax/kernel-backends/"
 
 
 class ProcessMismatchError(DistributedError):
@@ -85,6 +91,31 @@ def describe_disagreement(views: Mapping[int, Mapping]) -> str | None:
         return None
     return ("the processes disagree on " + "; ".join(differing)
             + "; start every process with the same flags, checkpoint files and input")
+
+
+def agree_backends(spec: ProcessSpec, backends: Mapping[str, str]) -> dict[str, str]:
+    """Publish this process's backend per kernel configuration name, read
+    every other process's and return the agreed ones (combine_backends);
+    every process returns the same dict."""
+    client = _client()
+    client.key_value_set(f"{_BACKENDS_KEY}{spec.process_id}", json.dumps(dict(backends)))
+    timeout_ms = init_timeout_s() * 1000
+    views = {p: json.loads(client.blocking_key_value_get(f"{_BACKENDS_KEY}{p}", timeout_ms))
+             for p in range(spec.num_processes)}
+    return combine_backends(views)
+
+
+def combine_backends(views: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
+    """process id -> {config name: backend} -> {config name: agreed backend}:
+    the processes' common backend where they all name the same one, else
+    "xla" (the path every process can run). A configuration a process did not
+    check (its check off) takes the others' verdict."""
+    names = sorted({name for view in views.values() for name in view})
+    agreed = {}
+    for name in names:
+        seen = {view[name] for view in views.values() if name in view}
+        agreed[name] = seen.pop() if len(seen) == 1 else "xla"
+    return agreed
 
 
 def replicated(x: np.ndarray, mesh):

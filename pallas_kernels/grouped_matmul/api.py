@@ -41,6 +41,7 @@ from pallas_kernels.grouped_matmul import (
     vjp,
 )
 from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.selfcheck import gate as selfcheck
 from pallas_kernels.situ import check_betas
 
 
@@ -93,10 +94,12 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes
     x_MK [M, K], w_GKN [G, K, N] (or Mxfp4Weights of that logical shape),
     group_sizes_G int [G] (traced ok, sum <= M).
     Returns [M, N] in x's dtype, accumulated in f32; rows >= sum(group_sizes) are 0.
-    Differentiable in x_MK and w_GKN (vjp.grouped_matmul).
+    Differentiable in x_MK and w_GKN (vjp.grouped_matmul). A kernel
+    configuration runs only once it has passed pallas_kernels.selfcheck's
+    check (else the xla path; K3JAX_SELFCHECK).
     """
     validate_grouped(x_MK, w_GKN, group_sizes_G)
-    impl = resolve_backend(backend)
+    impl = selfcheck.grouped("grouped_matmul", x_MK, w_GKN, resolve_backend(backend))
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     if isinstance(w_GKN, Mxfp4Weights):   # frozen: autodiff reaches x only
         return _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl)
@@ -139,7 +142,8 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
         raise ValueError(
             f"w_gate_GKN shape {w_gate_GKN.shape} != w_up_GKN shape {w_up_GKN.shape}")
     check_betas(beta, linear_beta)
-    impl = resolve_backend(backend)
+    impl = selfcheck.grouped("grouped_situ_glu", x_MK, w_gate_GKN, resolve_backend(backend),
+                             beta, linear_beta)
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     if any(isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)):   # frozen
         return _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,

@@ -51,9 +51,27 @@ def _index() -> dict[tuple, tuple[list[int], list]]:
             for shape, rows in by_shape.items()}
 
 
+_TUNED: dict[tuple, object] = {}
+
+
+def set_tuned(op: str, m: int, k: int, n: int, groups: int, num_weights: int, dtype: str,
+              config: object) -> None:
+    """Make ``config`` (a row_config result) the pick for launches of exactly
+    this shape in this process, ahead of the committed table: a tuned pick
+    measured on this machine (pallas_kernels.selfcheck.tune)."""
+    _TUNED[(op, m, k, n, groups, num_weights, dtype)] = config
+
+
+def clear_tuned() -> None:
+    _TUNED.clear()
+
+
 def lookup(op: str, m: int, k: int, n: int, groups: int, num_weights: int,
-           dtype: str) -> tuple[bool, object]:
-    """(found, config): the table's config for an M-row launch (module docstring)."""
+           dtype: str, *, tuned: bool = True) -> tuple[bool, object]:
+    """(found, config): the table's config for an M-row launch (module
+    docstring), or with ``tuned`` a tuned pick for this exact shape (set_tuned)."""
+    if tuned and (op, m, k, n, groups, num_weights, dtype) in _TUNED:
+        return True, _TUNED[(op, m, k, n, groups, num_weights, dtype)]
     rows = _index().get((op, k, n, groups, num_weights, dtype))
     if rows is None:
         return False, None
@@ -65,15 +83,40 @@ def lookup(op: str, m: int, k: int, n: int, groups: int, num_weights: int,
 
 
 def grouped_config(m: int, k: int, n: int, num_groups: int, num_weights: int,
-                   dtype: str) -> mosaic_sm90_swap_ab.SwapABConfig | None:
+                   dtype: str, *, tuned: bool = True) -> mosaic_sm90_swap_ab.SwapABConfig | None:
     """The grouped launch's swap-AB tiling, or None for mosaic_sm90's
     row-major default tiles (also for shapes the table lacks)."""
-    return lookup("grouped", m, k, n, num_groups, num_weights, dtype)[1]
+    return lookup("grouped", m, k, n, num_groups, num_weights, dtype, tuned=tuned)[1]
 
 
-def mlp_config(tokens: int, d: int, f: int, dtype: str) -> mosaic_sm90.TileConfig | None:
+def mlp_config(tokens: int, d: int, f: int, dtype: str, *,
+               tuned: bool = True) -> mosaic_sm90.TileConfig | None:
     """situ_mlp_up's tiles, or None (mosaic_sm90's default) for shapes the table lacks."""
-    return lookup("mlp", tokens, d, f, 1, 2, dtype)[1]
+    return lookup("mlp", tokens, d, f, 1, 2, dtype, tuned=tuned)[1]
 
 
-__all__ = ["MLP", "ROW_MAJOR", "SWAP_AB", "grouped_config", "lookup", "mlp_config", "row_config"]
+def neighbours(op: str, m: int, k: int, n: int, groups: int, num_weights: int,
+               dtype: str, count: int) -> list[object]:
+    """The committed configs of the ``count`` M buckets nearest to ``m``
+    among the rows of this (op, K, N, groups, num_weights, dtype), nearest
+    first (the launch's own bucket among them): tuning candidates."""
+    rows = _index().get((op, k, n, groups, num_weights, dtype))
+    if rows is None:
+        return []
+    buckets, configs = rows
+    order = sorted(range(len(buckets)), key=lambda i: (abs(buckets[i] - m), buckets[i] < m))
+    return [configs[i] for i in order[:count]]
+
+
+def entry_of(config: object, op: str) -> dict:
+    """The table entry ({"kernel": ..., **fields}) of a row_config result."""
+    import dataclasses
+
+    if config is None:
+        return {"kernel": ROW_MAJOR}
+    kind = MLP if op == "mlp" else SWAP_AB
+    return {"kernel": kind, **dataclasses.asdict(config)}
+
+
+__all__ = ["MLP", "ROW_MAJOR", "SWAP_AB", "clear_tuned", "entry_of", "grouped_config", "lookup",
+           "mlp_config", "neighbours", "row_config", "set_tuned"]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.grouped_matmul.api import triton_kernels
+from pallas_kernels.selfcheck import gate as selfcheck
 from pallas_kernels.situ import check_betas
 from pallas_kernels.situ_mlp import mosaic_sm90, reference, vjp
 
@@ -38,10 +39,12 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
     """h_TF = situ_glu(x_TD @ gate_DF, x_TD @ up_DF); [T, D] x [D, F] -> [T, F], x dtype.
 
     Differentiable in all three arrays (vjp.situ_mlp_up: recomputes gate/up).
+    The kernel runs once its configuration has passed pallas_kernels.selfcheck's
+    check (else the xla path).
     """
     validate_mlp(x_TD, gate_DF, up_DF)
     check_betas(beta, linear_beta)
-    impl = resolve_backend(backend)
+    impl = selfcheck.mlp(x_TD, gate_DF, resolve_backend(backend), beta, linear_beta)
     return vjp.situ_mlp_up(_situ_mlp_up_forward, impl, x_TD, gate_DF, up_DF, beta, linear_beta)
 
 

@@ -1,0 +1,139 @@
+"""The Triton kernels of one layer, compiled without a GPU for a chosen
+compute capability: registers, spill bytes and shared memory per launch.
+
+The layer's forward is traced on an abstract mesh with backend "triton" while
+pallas_kernels.selfcheck.gate collects its launches (per-device shapes, no
+check run); each launch is planned as the dispatch plans it
+(triton_sm80.plan) and compiled through Triton's pipeline and the wheel's
+ptxas (pallas_kernels.triton_compile.compile_cubin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax.config import K3Config
+from k3jax.layout import ExpertStorage, ParallelConfig, abstract_mesh, make_layout
+from k3jax.modules.layer import build_layer
+from k3jax.modules.params import AbstractSource
+
+CAPABILITIES = (80, 89, 90, 100)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernelReport:
+    """One launch: ``config`` its selfcheck name, ``kernel`` the Triton
+    kernel, the compiler's registers / spill bytes / shared bytes at
+    ``capability``, ``tiles`` (block m x n x k, warps, stages)."""
+
+    config: str
+    kernel: str
+    capability: int
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+    smem_limit: int
+    tiles: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def layer_launches(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
+                   dtype: str, expert_dtype: str):
+    """The selfcheck KernelConfigs of every Triton launch of the layer's forward."""
+    from pallas_kernels.selfcheck import gate
+
+    mesh = abstract_mesh(parallel)
+    experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
+               else ExpertStorage.DENSE)
+    layout = make_layout(cfg, parallel, mesh, backend="triton", experts=experts,
+                         dtype=jnp.dtype(dtype))
+    module = build_layer(layout, layer, mesh, source=AbstractSource())
+    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
+    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
+                                sharding=NamedSharding(mesh, spec))
+    graph, state = nnx.split(module)
+    jax.clear_caches()   # a launch traced before (this process) would not be collected again
+    with gate.collecting() as found, jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD)).trace(state, x_TD)
+    return found
+
+
+def compile_launch(config, capability: int) -> TritonKernelReport:
+    """Plan one collected launch as the Triton dispatch does and compile it."""
+    from pallas_kernels import triton_compile
+    from pallas_kernels.grouped_matmul import triton_sm80
+
+    mxfp4 = config.w_dtype == "mxfp4"
+    fused = config.op != "grouped_matmul"
+    act = {} if not fused else dict(beta=config.beta, linear_beta=config.linear_beta)
+    launch = triton_sm80.plan(num_rows=config.m, k=config.k, n=config.n, num_groups=config.groups,
+                              x_dtype=config.x_dtype, fused=fused, mxfp4=mxfp4, **act)
+    kernel_config = triton_compile.KernelConfig(config.name, launch, jnp.dtype(config.x_dtype),
+                                                mxfp4)
+    r = triton_compile.compile_cubin(kernel_config, capability)
+    t = r.tiles
+    return TritonKernelReport(config=config.name, kernel=r.kernel, capability=capability,
+                              registers=r.registers, spill_store_bytes=r.spill_store_bytes,
+                              spill_load_bytes=r.spill_load_bytes, shared_bytes=r.shared_bytes,
+                              smem_limit=r.smem_limit,
+                              tiles=f"{t.block_m}x{t.block_n}x{t.block_k}, {t.num_warps} warps, "
+                                    f"{t.num_stages} stages")
+
+
+def compile_layer_triton(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
+                         dtype: str, expert_dtype: str, capability: int) -> list[TritonKernelReport]:
+    """Every Triton launch of the layer, compiled for sm_``capability``."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"compute capability {capability} is not one of {CAPABILITIES}")
+    return [compile_launch(c, capability)
+            for c in layer_launches(cfg, parallel, layer, tokens=tokens, dtype=dtype,
+                                    expert_dtype=expert_dtype)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonCompileReport:
+    """``k3jax compile --backend triton``'s result: the layer, its layout and
+    every Triton launch's TritonKernelReport."""
+
+    layer: int
+    tokens: int
+    parallel: ParallelConfig
+    capability: int
+    kernels: tuple[TritonKernelReport, ...]
+
+    def to_json(self) -> str:
+        import json
+        return json.dumps({"layer": self.layer, "tokens": self.tokens, "backend": "triton",
+                           "layout": self.parallel.describe(),
+                           "compute_capability": self.capability,
+                           "kernels": [k.to_json() for k in self.kernels]}, indent=1)
+
+
+def print_report(report: TritonCompileReport, file=None) -> None:
+    """The human form: one row per launch."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=200)
+    table = Table(title=f"Triton kernels of layer {report.layer}, {report.tokens} tokens, "
+                        f"{report.parallel.describe()} (Triton + ptxas, sm_{report.capability})")
+    for column, justify in (("launch", "left"), ("kernel", "left"), ("tiles", "left"),
+                            ("registers", "right"), ("spill st/ld bytes", "right"),
+                            ("shared bytes (limit)", "right")):
+        table.add_column(column, justify=justify)
+    for k in report.kernels:
+        table.add_row(k.config, k.kernel, k.tiles, str(k.registers),
+                      f"{k.spill_store_bytes}/{k.spill_load_bytes}",
+                      f"{k.shared_bytes:,} ({k.smem_limit:,})")
+    console.print(table)

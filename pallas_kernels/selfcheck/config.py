@@ -1,0 +1,181 @@
+"""What identifies one kernel launch for the check on first use.
+
+``KernelConfig`` is (op, shapes, dtypes, tile config, backend): the launch's
+M x K x N over G groups, x's and the weights' dtype ("mxfp4" for packed
+MXFP4 weights), the tiling the backend's dispatch picks for that shape, the
+resolved backend, and the SiTU betas of the fused ops. ``name`` is its
+printable form (the selfcheck table, the warning lines and
+K3JAX_SELFCHECK_PERTURB use it).
+
+``environment()`` is the rest of a cache key: device kind, the runtime's
+platform version (the CUDA version on a GPU), the NVIDIA driver's version
+line where the system has one, jax and jaxlib versions and a hash of the
+kernel sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import describe_devices
+
+OPS = ("grouped_matmul", "grouped_situ_glu", "situ_mlp_up")
+CHECKED_BACKENDS = ("pallas", "interpret", "triton")
+MXFP4 = "mxfp4"   # w_dtype of packed MXFP4 weights
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One kernel configuration.
+
+    op: one of OPS; m, k, n, groups: x [m, k] times weights [groups, k, n]
+    (situ_mlp_up: groups 1); x_dtype / w_dtype: dtype names (w_dtype MXFP4 for
+    packed weights); tiles: the tiling's printable form (``tiles_of``);
+    backend: one of CHECKED_BACKENDS; beta / linear_beta: the SiTU betas of
+    the fused ops (None for grouped_matmul).
+    """
+
+    op: str
+    m: int
+    k: int
+    n: int
+    groups: int
+    x_dtype: str
+    w_dtype: str
+    tiles: str
+    backend: str
+    beta: float | None = None
+    linear_beta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"KernelConfig: op {self.op!r} is not one of {OPS}")
+        if self.backend not in CHECKED_BACKENDS:
+            raise ValueError(f"KernelConfig: backend {self.backend!r} is not one of "
+                             f"{CHECKED_BACKENDS}")
+
+    @property
+    def num_weights(self) -> int:
+        return 1 if self.op == "grouped_matmul" else 2
+
+    @property
+    def name(self) -> str:
+        """e.g. ``grouped_situ_glu:m64,k32,n16,g4:bfloat16/bfloat16:row_major/1-64-128-64:interpret``
+        (beta suffix ``:b1.0/l0.5`` on the fused ops). No spaces."""
+        betas = ("" if self.beta is None else
+                 f":b{self.beta:g}" + ("" if self.linear_beta is None else f"/l{self.linear_beta:g}"))
+        return (f"{self.op}:m{self.m},k{self.k},n{self.n},g{self.groups}:"
+                f"{self.x_dtype}/{self.w_dtype}:{self.tiles}:{self.backend}{betas}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def describe_tiles(kind: str, tiles: object | None) -> str:
+    """``kind/v1-v2-...``: a tiling dataclass's field values in field order."""
+    if tiles is None:
+        return kind
+    values = [dataclasses.asdict(tiles)[f.name] for f in dataclasses.fields(tiles)]
+    return kind + "/" + "-".join("d" if v is None else str(v) for v in values)
+
+
+def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype: str,
+             backend: str) -> str:
+    """The tiling the backend's dispatch picks for this launch from the
+    committed table (a tuned pick aside), printed."""
+    from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
+
+    num_weights = 1 if op == "grouped_matmul" else 2
+    if backend == "triton":
+        from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
+        return describe_tiles("triton", default_tiles(m, groups, num_weights,
+                                                      jnp.dtype(x_dtype).itemsize,
+                                                      w_dtype == MXFP4))
+    if w_dtype == MXFP4:
+        return "mxfp4"
+    if m == 0 or n == 0:
+        return "empty"
+    dtype = jnp.result_type(jnp.dtype(x_dtype), jnp.dtype(w_dtype)).name
+    if op == "situ_mlp_up":
+        cfg = tile_choice.mlp_config(m, k, n, dtype, tuned=False)
+        return describe_tiles("mlp", cfg or mosaic_sm90.default_config(m, 1, 2))
+    swap_ab = tile_choice.grouped_config(m, k, n, groups, num_weights, dtype, tuned=False)
+    if swap_ab is not None:
+        return describe_tiles("swap_ab", swap_ab)
+    return describe_tiles("row_major", mosaic_sm90.default_config(m, groups, num_weights))
+
+
+def grouped_config(op: str, x_MK, w_GKN, backend: str, beta: float | None = None,
+                   linear_beta: float | None = None) -> KernelConfig:
+    """The KernelConfig of a grouped launch (x_MK [M, K], w_GKN [G, K, N] array
+    or Mxfp4Weights; only shapes and dtypes are read: tracers are fine)."""
+    from pallas_kernels.mxfp4 import Mxfp4Weights
+
+    m, k = x_MK.shape
+    groups, _, n = w_GKN.shape
+    w_dtype = MXFP4 if isinstance(w_GKN, Mxfp4Weights) else jnp.dtype(w_GKN.dtype).name
+    x_dtype = jnp.dtype(x_MK.dtype).name
+    return KernelConfig(op=op, m=m, k=k, n=n, groups=groups, x_dtype=x_dtype, w_dtype=w_dtype,
+                        tiles=tiles_of(op, m, k, n, groups, x_dtype, w_dtype, backend),
+                        backend=backend, beta=beta, linear_beta=linear_beta)
+
+
+def mlp_config(x_TD, gate_DF, backend: str, beta: float,
+               linear_beta: float | None) -> KernelConfig:
+    """The KernelConfig of a situ_mlp_up launch (x_TD [T, D], gate_DF [D, F])."""
+    m, k = x_TD.shape
+    n = gate_DF.shape[1]
+    x_dtype, w_dtype = jnp.dtype(x_TD.dtype).name, jnp.dtype(gate_DF.dtype).name
+    return KernelConfig(op="situ_mlp_up", m=m, k=k, n=n, groups=1, x_dtype=x_dtype,
+                        w_dtype=w_dtype,
+                        tiles=tiles_of("situ_mlp_up", m, k, n, 1, x_dtype, w_dtype, backend),
+                        backend=backend, beta=beta, linear_beta=linear_beta)
+
+
+# The kernels' sources: every module of these packages (dispatch, kernels,
+# tilings, the committed tile table, interpret-mode support).
+_SOURCE_DIRS = ("grouped_matmul", "situ_mlp")
+_SOURCE_FILES = ("situ.py", "mxfp4.py", "interpret_compat.py", "backend.py", "hardware.py")
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 (16 hex digits) over the kernel source files, by relative path."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    paths = sorted([p for d in _SOURCE_DIRS for p in (root / d).glob("*.py")]
+                   + [root / f for f in _SOURCE_FILES])
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+_NVIDIA_DRIVER_FILE = pathlib.Path("/proc/driver/nvidia/version")
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver's version line (Linux), "" where there is none."""
+    try:
+        return _NVIDIA_DRIVER_FILE.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return ""
+
+
+@functools.cache
+def environment() -> dict[str, str]:
+    """The machine and software half of a cache key (this process's first device)."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind,
+            "compute_capability": describe_devices([device]).compute_capability,
+            "platform_version": device.client.platform_version,
+            "driver": driver_version(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "kernel_sources": source_hash()}

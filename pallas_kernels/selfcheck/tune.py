@@ -1,0 +1,155 @@
+"""Tuning on request: time a few candidate tilings of one kernel
+configuration on this device, check each against XLA, keep the fastest.
+
+Candidates (Mosaic backends, dense weights): the committed table's pick for
+the launch, the picks of the nearest other M buckets of the same (op, K, N,
+groups, num_weights, dtype) and, for grouped ops, the row-major kernel: at
+most MAX_CANDIDATES, the committed pick first (tile_choice.neighbours; the
+table's own ranking lives in analysis/, which the runtime does not import).
+MXFP4 weights and the Triton backend have one tiling here: nothing to tune.
+
+Each candidate is checked (check.run_check with its own launcher) and, when
+it passes, timed: the median of K3JAX_TUNE_REPEATS (default 20) runs after
+one untimed run. The pick is the fastest that passed; ``install`` makes it
+the launch's tiling in this process (tile_choice.set_tuned). In interpret
+mode the times mean nothing, but the mechanism runs end to end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from pallas_kernels.selfcheck.cache import CheckResult
+from pallas_kernels.selfcheck.check import run_check
+from pallas_kernels.selfcheck.config import MXFP4, KernelConfig, describe_tiles
+
+TUNE_ENV = "K3JAX_AUTOTUNE"
+REPEATS_ENV = "K3JAX_TUNE_REPEATS"
+DEFAULT_REPEATS = 20
+MAX_CANDIDATES = 3
+
+
+def requested() -> bool:
+    """K3JAX_AUTOTUNE=1."""
+    return os.environ.get(TUNE_ENV, "0").strip() == "1"
+
+
+def repeats() -> int:
+    text = os.environ.get(REPEATS_ENV, "")
+    try:
+        value = int(text) if text else DEFAULT_REPEATS
+    except ValueError:
+        raise ValueError(f"{REPEATS_ENV}={text!r}: expected a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{REPEATS_ENV}={text!r}: expected a positive integer")
+    return value
+
+
+def table_key(config: KernelConfig) -> tuple:
+    """The committed table's key of this launch: (op, M, K, N, groups, num_weights, dtype)."""
+    dtype = jnp.result_type(jnp.dtype(config.x_dtype), jnp.dtype(config.w_dtype)).name
+    op = "mlp" if config.op == "situ_mlp_up" else "grouped"
+    return (op, config.m, config.k, config.n, config.groups, config.num_weights, dtype)
+
+
+def candidates(config: KernelConfig) -> list[dict]:
+    """Table entries ({"kernel": ..., **fields}) to time (module docstring); [] when
+    there is nothing to tune."""
+    from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
+
+    if config.backend not in ("pallas", "interpret") or config.w_dtype == MXFP4 or config.m == 0:
+        return []
+    op, m, k, n, groups, num_weights, dtype = table_key(config)
+    own = tile_choice.lookup(op, m, k, n, groups, num_weights, dtype, tuned=False)[1]
+    if op == "mlp":
+        own = own or mosaic_sm90.default_config(m, 1, 2)
+    found = [own, *tile_choice.neighbours(op, m, k, n, groups, num_weights, dtype,
+                                          MAX_CANDIDATES + 1)]
+    if op == "grouped":
+        found.append(None)   # the row-major kernel
+    entries: list[dict] = []
+    for cfg in found:
+        entry = tile_choice.entry_of(cfg, op)
+        if entry not in entries:
+            entries.append(entry)
+    return entries[:MAX_CANDIDATES]
+
+
+def label(entry: dict, op: str) -> str:
+    from pallas_kernels.grouped_matmul import tile_choice
+    return describe_tiles(entry["kernel"], tile_choice.row_config(entry))
+
+
+def launcher(config: KernelConfig, entry: dict):
+    """(x, weights, group_sizes) -> y with the tiling ``entry`` (row-major: the
+    default tiles of config's shape), on config's backend; the tiling stays
+    fixed when the inputs have fewer groups than ``config``."""
+    from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab, tile_choice
+    from pallas_kernels.situ_mlp import mosaic_sm90 as mlp_kernel
+
+    cfg = tile_choice.row_config(entry)
+    interpret = config.backend == "interpret"
+    beta, linear_beta = config.beta, config.linear_beta
+    if config.op == "situ_mlp_up":
+        return lambda x, ws, gs: mlp_kernel.situ_mlp_up(x, ws[0][0], ws[1][0], beta=beta,
+                                                        linear_beta=linear_beta, config=cfg,
+                                                        interpret=interpret)
+    module = mosaic_sm90 if cfg is None else mosaic_sm90_swap_ab
+    # row-major: the default tiles of config's own shape, also on fewer groups (check.py)
+    extra = {"config": cfg or mosaic_sm90.default_config(config.m, config.groups,
+                                                           config.num_weights)}
+    if config.op == "grouped_matmul":
+        return lambda x, ws, gs: module.grouped_matmul(x, ws[0], gs, interpret=interpret, **extra)
+    return lambda x, ws, gs: module.grouped_situ_glu(x, ws[0], ws[1], gs, beta=beta,
+                                                     linear_beta=linear_beta,
+                                                     interpret=interpret, **extra)
+
+
+def tune(config: KernelConfig, *, timeout_s: float, perturb: bool) -> CheckResult | None:
+    """Check and time every candidate; the fastest passing one as the
+    configuration's result (``tuned`` set, every candidate's time in
+    ``timings_us``), the committed pick's failure when none passes, or None
+    when there is nothing to tune."""
+    entries = candidates(config)
+    if not entries:
+        return None
+    table_op = table_key(config)[0]
+    results = [(entry, run_check(config, timeout_s=timeout_s, perturb=perturb,
+                                 launch=launcher(config, entry), repeats=repeats()))
+               for entry in entries]
+    passed = [(r.timings_us["median_us"], i) for i, (_, r) in enumerate(results) if r.ok]
+    seconds = sum(r.seconds for _, r in results)
+    timings = {label(e, table_op): r.timings_us["median_us"] for e, r in results if r.ok}
+    if not passed:
+        first = results[0][1]
+        return CheckResult(first.verdict, first.max_rel_err, seconds, first.error,
+                           timings_us=timings)
+    _, best = min(passed)
+    entry, result = results[best]
+    return CheckResult("ok", result.max_rel_err, seconds, None, tuned=label(entry, table_op),
+                       tuned_entry=entry, timings_us=timings)
+
+
+def install(config: KernelConfig, result: CheckResult) -> None:
+    """Make ``result``'s tuned pick this launch's tiling in this process."""
+    from pallas_kernels.grouped_matmul import tile_choice
+
+    if result.tuned_entry is not None and result.ok:
+        tile_choice.set_tuned(*table_key(config), tile_choice.row_config(result.tuned_entry))
+
+
+def export_text(picks: dict[tuple, dict], environment: dict[str, str]) -> str:
+    """A module in the committed table's format (tile_table.py: ``TILES =
+    {key: entry}``) holding ``picks`` (table_key -> tuned_entry), for
+    review and merging into pallas_kernels/grouped_matmul/tile_table.py."""
+    lines = ['"""Tuned tile picks written by `k3jax tune --export`, in the format of',
+             "pallas_kernels/grouped_matmul/tile_table.py (key: (op, M bucket, K, N, groups,",
+             "num_weights, dtype); an entry: {'kernel': ..., **the config's fields}).",
+             "",
+             "Measured on: " + ", ".join(f"{k} {v}" for k, v in sorted(environment.items())),
+             '"""', "# ruff: noqa: E501", "", "TILES = {"]
+    lines += [f"    {key!r}: {picks[key]!r}," for key in sorted(picks)]
+    lines += ["}", ""]
+    return "\n".join(lines)
