@@ -74,6 +74,7 @@ from analysis.layer_schedule import (
     simulate,
 )
 from k3jax.config import K3Config
+from k3jax.layout import ParallelConfig, SharedOverlap, make_layout
 from pallas_kernels.hardware import H200 as GPU
 
 BF16 = 2
@@ -283,13 +284,32 @@ def mlp_flops(rows: int, d: int, f: int) -> float:
     return 6.0 * rows * d * f
 
 
-def auto_choice(estimates: dict[tuple[Form, str | None], float]) -> tuple[Form, str | None]:
-    """The fastest of CHOICES by their layer seconds; a bf16 scatter must beat
-    the others by more than TIE_REL (ties go to the float32 scatter)."""
+def eligible_choices(cfg: K3Config, tp: int, dp: int, layer: str = "moe"
+                     ) -> tuple[tuple[Form, str | None], ...]:
+    """The CHOICES ``auto`` may pick for (tp, dp): in the MoE layer only the
+    forms whose compiled H200 schedule keeps the shared expert's collectives
+    under routed work (``Layout.shared_overlaps_routed`` of the SP + EP
+    layout with that form; SharedOverlap.NONE at dp > 1 is not). The dense
+    layer has no routed work to hide under: every choice."""
+    if layer == "dense":
+        return CHOICES
+    keep = []
+    for form, scatter in CHOICES:
+        parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=True, expert_parallel=True,
+                                  shard_shared_expert=True, shared_overlap=SharedOverlap(form.value))
+        if make_layout(cfg, parallel).shared_overlaps_routed:
+            keep.append((form, scatter))
+    return tuple(keep)
+
+
+def auto_choice(estimates: dict[tuple[Form, str | None], float],
+                choices: tuple[tuple[Form, str | None], ...] = CHOICES) -> tuple[Form, str | None]:
+    """The fastest of ``choices`` by their layer seconds; a bf16 scatter must
+    beat the others by more than TIE_REL (ties go to the float32 scatter)."""
     def key(choice):
         form, scatter = choice
         return estimates[choice] * (1 + TIE_REL if scatter == "bfloat16" else 1.0)
-    return min(CHOICES, key=key)
+    return min(choices, key=key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,11 +330,12 @@ class AutoRow:
 
 def sweep(cfg: K3Config, tp: int, dp: int, tokens: int, *, layer: str = "moe",
           link: Link = NVLINK) -> tuple[list[LayerEstimate], AutoRow]:
-    """Every form (each token-side one with both scatter dtypes) and the auto pick."""
+    """Every form (each token-side one with both scatter dtypes) and the auto
+    pick among the eligible ones (``eligible_choices``)."""
     ests = [layer_latency(cfg, tokens, tp, dp, Form.REPLICATED, layer=layer, link=link)]
     ests += [layer_latency(cfg, tokens, tp, dp, f, s, layer=layer, link=link) for f, s in CHOICES]
     by_choice = {(e.form, e.scatter_dtype): e.layer_s for e in ests[1:]}
-    form, scatter = auto_choice(by_choice)
+    form, scatter = auto_choice(by_choice, eligible_choices(cfg, tp, dp, layer))
     return ests, AutoRow(layer, tp, dp, tokens, form, scatter, by_choice[(form, scatter)],
                          ests[0].layer_s)
 
@@ -368,5 +389,6 @@ def hardware(link: Link = NVLINK) -> dict:
 
 __all__ = ["CHOICES", "LAYERS", "MODULE_ERROR_PP", "SCATTER_BYTES", "TIE_REL", "VLLM_POINTS",
            "VLLM_TP", "AutoRow", "Form", "LayerEstimate", "auto_choice", "check_layout",
+           "eligible_choices",
            "hardware", "layer_latency", "mlp_flops", "mlp_ops", "module_latency",
            "module_schedule", "routed_gemm_s", "routed_ops", "sweep", "vllm_validation"]

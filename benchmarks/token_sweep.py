@@ -109,6 +109,9 @@ class Series:
     min_ms: list[float] = dataclasses.field(default_factory=list)
     samples_ms: list[list[float]] = dataclasses.field(default_factory=list)
     inner: list[int] = dataclasses.field(default_factory=list)
+    forms: list[str] = dataclasses.field(default_factory=list)
+    """The shared MLP's SharedOverlap in force at each token count (the
+    ``auto`` pick resolved; "none" where the MLP is not SP-sharded)."""
 
 
 @dataclasses.dataclass
@@ -278,6 +281,7 @@ def run_bench(cfg: K3Config, devices: Sequence[jax.Device], *, tokens: Sequence[
                 s.min_ms.append(min(samples))
                 s.samples_ms.append(samples)
                 s.inner.append(inner)
+                s.forms.append(layout.for_tokens(t).shared_mlp.overlap.value)
                 outputs[name].append(np.asarray(jax.device_get(y), np.float32))
                 if progress:
                     progress(f"{kind} {name} T={t}")

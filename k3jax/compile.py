@@ -103,6 +103,7 @@ class CompileReport:
             "expert_dtype": self.expert_dtype,
             "layout": {**dataclasses.asdict(self.parallel),
                        "shared_overlap": self.parallel.shared_overlap.value,
+                       "overlap_forms": lay.overlap_forms(),
                        "shared_overlaps_routed": lay.shared_overlaps_routed},
             "per_device_bytes": dict(self.per_device_bytes),
             "planner_weight_bytes": self.planner_weight_bytes,
@@ -209,7 +210,8 @@ def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, token
     spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
     x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
                                 sharding=NamedSharding(mesh, spec))
-    return AbstractLayer(mesh=mesh, layout=layout, experts=experts, module=module, x_TD=x_TD)
+    return AbstractLayer(mesh=mesh, layout=layout.for_tokens(tokens), experts=experts,
+                         module=module, x_TD=x_TD)
 
 
 def shard_bytes(tree) -> int:

@@ -57,7 +57,9 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
+from k3jax import shared_overlap_choice
 from k3jax.config import K3Config
+from k3jax.mlp_placement import LayoutError, MlpLayout, MlpMode, mlp_layout
 from k3jax.parallel_config import (
     DATA,
     DEFAULT_SHARED_OVERLAP,
@@ -73,12 +75,6 @@ from k3jax.parallel_config import (
 )
 from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
 from pallas_kernels.mxfp4 import BLOCK_SIZE
-
-
-class LayoutError(ValueError):
-    """The model cannot be laid out over a (valid) ParallelConfig: one of its
-    sizes does not split over the devices asked for. The caller's choice of
-    layout, not a bug or a checkpoint problem (the CLIs name the flags)."""
 
 
 class Mxfp4ShardError(LayoutError):
@@ -108,109 +104,8 @@ class ExpertStorage(enum.Enum):
 
 
 # --------------------------------------------------------------------------
-# The gate (docs/spec.md §4) and the padding rule (docs/spec.md §5)
+# The padding rule (docs/spec.md §5; the MLP gate, §4, is k3jax.mlp_placement)
 # --------------------------------------------------------------------------
-class MlpMode(enum.Enum):
-    REPLICATED = "replicated"
-    SP_SHARDED = "sp-sharded"
-    TP = "tensor-parallel"
-
-
-@dataclasses.dataclass(frozen=True)
-class MlpLayout:
-    """Placement of one SiTU-GLU MLP (the dense layer-0 MLP or the shared expert).
-
-    parallel: the mesh it runs on; token rows are split over
-      ``parallel.token_axes`` (so an SP-sharded MLP always sees rows split
-      over TENSOR, and a TP one rows replicated over TENSOR).
-    weight_axes: the mesh axes that split the intermediate F ((): replicated).
-    gate_DF / up_DF / down_FD: the weights' PartitionSpecs.
-    reason: why this mode was chosen (printed by the CLI).
-    overlap: how an SP_SHARDED MLP moves its rows (NONE in the other modes).
-    """
-
-    mode: MlpMode
-    parallel: ParallelConfig
-    hidden: int
-    intermediate: int
-    weight_axes: tuple[str, ...]
-    reason: str
-    overlap: SharedOverlap = SharedOverlap.NONE
-
-    def __post_init__(self) -> None:
-        if self.overlap is not SharedOverlap.NONE and self.mode is not MlpMode.SP_SHARDED:
-            raise ValueError(f"MlpLayout: overlap {self.overlap.value} needs an SP-sharded MLP, "
-                             f"got {self.mode.value}")
-
-    @property
-    def gate_DF(self) -> P:
-        return P(None, self.weight_axes or None)
-
-    @property
-    def up_DF(self) -> P:
-        return self.gate_DF
-
-    @property
-    def down_FD(self) -> P:
-        return P(self.weight_axes or None, None)
-
-    @property
-    def param_specs(self) -> dict[str, P]:
-        return {"gate_DF": self.gate_DF, "up_DF": self.up_DF, "down_FD": self.down_FD}
-
-    @property
-    def scatter_dtype(self) -> jnp.dtype:
-        """The dtype an SP-sharded token-side form (NONE, RING) sends and sums
-        its partials in over TENSOR (``ParallelConfig.shared_scatter_dtype``)."""
-        return jnp.dtype(self.parallel.shared_scatter_dtype)
-
-    @property
-    def collectives(self) -> tuple[str, ...]:
-        """Collectives one forward issues, over TENSOR (RING: 2 (tp - 1)
-        collective-permutes, tp - 1 of the input rows, then tp - 1 of the
-        partial sums; WEIGHTS: an all-gather of gate and up stacked, then one of down)."""
-        if self.overlap is SharedOverlap.RING:
-            return ("collective-permute",) * (2 * (self.parallel.tp - 1))
-        if self.overlap is SharedOverlap.WEIGHTS:
-            return ("all-gather",) * 2
-        return {MlpMode.REPLICATED: (),
-                MlpMode.SP_SHARDED: ("all-gather", "reduce-scatter"),
-                MlpMode.TP: ("all-reduce",)}[self.mode]
-
-
-def mlp_layout(parallel: ParallelConfig, hidden: int, intermediate: int) -> MlpLayout:
-    """THE gate: the layout (and so the weights' mesh axes) of an MLP.
-
-    Under sequence parallelism (docs/spec.md §4):
-        shard = enabled and tp > 1 and intermediate % tp == 0 and hidden % tp == 0
-    and the MLP stays replicated otherwise. Without SP and with tp > 1 the MLP is
-    plain tensor-parallel (this needs intermediate % tp == 0). Serves the shared
-    expert and the dense layer-0 MLP alike.
-    """
-    tp = parallel.tp
-    if parallel.sequence_parallel:
-        if not parallel.shard_shared_expert:
-            return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
-                             "sequence parallel, sharding not requested (opt-in)")
-        if intermediate % tp or hidden % tp:
-            return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
-                             f"sharding requested but hidden {hidden} / intermediate "
-                             f"{intermediate} is not divisible by tp={tp}")
-        return MlpLayout(MlpMode.SP_SHARDED, parallel, hidden, intermediate, (TENSOR,),
-                         f"sequence parallel, sharded over tp={tp}, "
-                         f"overlap {parallel.shared_overlap.value}",
-                         parallel.shared_overlap)
-    if tp == 1:
-        return MlpLayout(MlpMode.REPLICATED, parallel, hidden, intermediate, (),
-                         "no tensor parallelism" + (" (sharding needs sequence parallel)"
-                                                    if parallel.shard_shared_expert else ""))
-    if intermediate % tp:
-        raise LayoutError(f"tensor parallel MLP: intermediate size {intermediate} is not "
-                         f"divisible by tp={tp}")
-    return MlpLayout(MlpMode.TP, parallel, hidden, intermediate, (TENSOR,),
-                     f"tensor parallel over tp={tp}")
-
-
 def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: int) -> int:
     """docs/spec.md §5: the routed-expert intermediate after padding, for ``shards``
     devices splitting each expert's intermediate (1 under EP). Each shard takes
@@ -377,11 +272,36 @@ class Layout:
         - plain TP (and EP over plain TP): its partial sum rides in the routed
           path's all-reduce (one all-reduce for both), fused rather than
           overlapped; False.
+        - SharedOverlap.AUTO: True when every form the table picks for this
+          (tp, dp) is (the table's generator admits only those).
         """
         mode = self.shared_mlp.mode
         if mode is MlpMode.SP_SHARDED:
+            if self.shared_mlp.overlap is SharedOverlap.AUTO:   # every form it can pick
+                return all(self.for_tokens(t).shared_overlaps_routed
+                           for t in shared_overlap_choice.first_tokens(
+                               self.parallel.tp, self.parallel.dp))
             return self.shared_mlp.overlap is not SharedOverlap.NONE or self.parallel.dp == 1
         return mode is not MlpMode.TP
+
+    def for_tokens(self, tokens: int) -> Layout:
+        """This layout for ``tokens`` global tokens: SharedOverlap.AUTO in the
+        shared expert and the dense MLP replaced by the forms the committed
+        table picks (MlpLayout.for_tokens); itself when both are concrete.
+        The modules, the planner and ``compile`` call it with their static T."""
+        shared, dense = self.shared_mlp.for_tokens(tokens), self.dense_mlp.for_tokens(tokens)
+        if shared is self.shared_mlp and dense is self.dense_mlp:
+            return self
+        return dataclasses.replace(self, shared_mlp=shared, dense_mlp=dense)
+
+    def overlap_forms(self) -> dict[str, str]:
+        """The forms in force (JSON of run / plan / compile / bench): the shared
+        expert's and the dense MLP's SharedOverlap value ("auto" until
+        ``for_tokens`` resolves it) and their scatter dtypes."""
+        return {"shared_expert": self.shared_mlp.overlap.value,
+                "shared_expert_scatter_dtype": self.shared_mlp.scatter,
+                "dense_mlp": self.dense_mlp.overlap.value,
+                "dense_mlp_scatter_dtype": self.dense_mlp.scatter}
 
     def describe(self) -> str:
         lines = [f"parallel: {self.parallel.describe()}",
@@ -431,8 +351,10 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig,
     if experts.packed and cfg.num_moe_layers:
         _check_mxfp4_shards(cfg, shards, padded)
     return Layout(cfg=cfg, parallel=parallel,
-                  dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size),
-                  shared_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.shared_intermediate_size),
+                  dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size,
+                                       layer_kind="dense"),
+                  shared_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.shared_intermediate_size,
+                                        layer_kind="moe"),
                   moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
                   backend=resolved, experts=experts, dtype=jnp.dtype(dtype))
 

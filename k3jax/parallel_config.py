@@ -41,29 +41,38 @@ class SharedOverlap(enum.Enum):
            Same arithmetic as the replicated layout, so the same output bits;
            the backward reduce-scatters the weight gradients over TENSOR.
 
-    NONE and RING's reduce-scatter sums in ``ParallelConfig.shared_scatter_dtype``.
+    AUTO    one of the three per static token count: the whole-layer latency
+           model's fastest for this (tp, dp), among the forms whose compiled
+           schedule keeps the shared expert's collectives under routed work
+           (a committed table, k3jax.shared_overlap_choice; resolved by
+           ``MlpLayout.for_tokens`` before any form is used).
+
+    NONE and RING's reduce-scatter sums in ``ParallelConfig.shared_scatter_dtype``
+    when it is set, else in the table's pick (AUTO) or float32.
     """
 
     NONE = "none"
     RING = "ring"
     WEIGHTS = "weights"
+    AUTO = "auto"
 
     @property
     def moves_rows(self) -> bool:
-        """Does this form move token rows (NONE, RING), rather than weights?"""
+        """Does this form move token rows (NONE, RING), rather than weights?
+        (AUTO: not known until it is resolved; ValueError.)"""
+        if self is SharedOverlap.AUTO:
+            raise ValueError("SharedOverlap.AUTO moves rows or weights depending on the token "
+                             "count; resolve it with MlpLayout.for_tokens first")
         return self is not SharedOverlap.WEIGHTS
 
 
 SCATTER_DTYPES = ("float32", "bfloat16")
 """The dtypes a token-side form (NONE, RING) may sum its partials in over the wire."""
-DEFAULT_SCATTER_DTYPE = "float32"
 
 
-DEFAULT_SHARED_OVERLAP = SharedOverlap.RING
-"""The default, chosen by the compiled 8 x H200 schedule of the K3 layers
-(tests/test_overlap_schedule.py): with RING every block's transfer is in
-flight across a matmul; with NONE XLA runs the dense layer's all-gather and
-reduce-scatter synchronously."""
+DEFAULT_SHARED_OVERLAP = SharedOverlap.AUTO
+"""The default: per token count, the whole-layer model's fastest form among
+those whose compiled 8 x H200 schedule keeps the overlap (docs/latency.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +91,10 @@ class ParallelConfig:
       rows (SharedOverlap); read only where an MLP is SP-sharded.
     shared_scatter_dtype: the dtype (one of SCATTER_DTYPES) in which the
       token-side forms (NONE, RING) send and sum their partial sums over
-      TENSOR: "float32" (default) or "bfloat16" (half the bytes of the
-      largest transfer; bf16 rounding of each partial and of each running
-      sum). WEIGHTS has no partial sums; it ignores the field.
+      TENSOR: "float32" or "bfloat16" (half the bytes of the largest
+      transfer; bf16 rounding of each partial and of each running sum).
+      None (default): float32 for NONE and RING, the table's pick under
+      AUTO. WEIGHTS has no partial sums; it ignores the field.
     """
 
     dp: int = 1
@@ -94,14 +104,15 @@ class ParallelConfig:
     shard_shared_expert: bool | None = None
     pad_under_ep: bool = False
     shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
-    shared_scatter_dtype: str = DEFAULT_SCATTER_DTYPE
+    shared_scatter_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.shared_overlap, SharedOverlap):
             raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
                              f"got {self.shared_overlap!r}")
-        if self.shared_scatter_dtype not in SCATTER_DTYPES:
-            raise ValueError(f"ParallelConfig.shared_scatter_dtype must be one of {SCATTER_DTYPES}, "
+        if self.shared_scatter_dtype not in (None, *SCATTER_DTYPES):
+            raise ValueError(f"ParallelConfig.shared_scatter_dtype must be None or one of "
+                             f"{SCATTER_DTYPES}, "
                              f"got {self.shared_scatter_dtype!r}")
         for name in ("dp", "tp"):
             value = getattr(self, name)
@@ -199,5 +210,5 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
-           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "DEFAULT_SCATTER_DTYPE", "check_mesh", "make_mesh", "abstract_mesh",
+           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "check_mesh", "make_mesh", "abstract_mesh",
            "padded_rows"]

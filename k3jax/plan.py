@@ -210,6 +210,7 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
+    layout = layout.for_tokens(tokens)
     cfg, par = layout.cfg, layout.parallel
     D, L, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts_per_token
     sizes = {"data": par.dp, TENSOR: par.tp}
@@ -318,6 +319,7 @@ class Plan:
                          "shared_scatter_dtype": par.shared_scatter_dtype},
             "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
                        "shared_expert_overlap": lay.shared_mlp.overlap.value,
+                       "overlap_forms": lay.overlap_forms(),
                        "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,
                        "expert_shards": lay.expert_shards,
                        "token_axes": list(lay.token_axes),
@@ -346,7 +348,7 @@ def make_plan(cfg: K3Config, parallel: ParallelConfig, *, tokens: int = 256,
               dtype: str = "bfloat16", expert_dtype: str = "mxfp4", source: str = "") -> Plan:
     """Plan ``cfg`` on ``parallel``. Raises ValueError for a layout the mesh
     cannot hold (e.g. an EP size that does not divide the experts)."""
-    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
+    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype).for_tokens(tokens)
     totals, per_layer = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
     comparisons = _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype)
     return Plan(cfg=cfg, parallel=parallel, layout=layout, source=source, tokens=tokens,

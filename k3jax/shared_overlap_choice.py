@@ -46,9 +46,17 @@ def pick(tp: int, dp: int, tokens: int, *, layer: str = "moe") -> tuple[str, str
     return form, scatter
 
 
+def first_tokens(tp: int, dp: int, *, layer: str = "moe") -> tuple[int, ...]:
+    """The token counts at which the pick for (tp, dp) changes (its entries'
+    first token counts; (1,) for a layout the table does not hold): ``pick``
+    at each of them gives every form the table can choose there."""
+    entries = TABLE.get((layer, tp, dp))
+    return (1,) if entries is None else tuple(first for first, _, _ in entries)
+
+
 def tabulated() -> tuple[tuple[int, int], ...]:
     """The (tp, dp) layouts the table holds (the rest get FALLBACK)."""
     return tuple(sorted({(tp, dp) for _, tp, dp in TABLE}))
 
 
-__all__ = ["FALLBACK", "LAYERS", "pick", "tabulated"]
+__all__ = ["FALLBACK", "LAYERS", "first_tokens", "pick", "tabulated"]

@@ -39,14 +39,17 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "tp8": ParallelConfig(tp=8),
     "dp2_tp4": ParallelConfig(dp=2, tp=4),
     "sp_tp8_repl": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=False),
-    "sp_tp8_shard": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=True),
-    "sp_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, shard_shared_expert=True),
+    "sp_tp8_shard": ParallelConfig(tp=8, sequence_parallel=True, shard_shared_expert=True,
+                                   shared_overlap=SharedOverlap.RING),
+    "sp_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, shard_shared_expert=True,
+                                       shared_overlap=SharedOverlap.RING),
     "sp_ep_tp8_repl": ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
                                      shard_shared_expert=False),
     "sp_ep_tp8_shard": ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
-                                      shard_shared_expert=True),
+                                      shard_shared_expert=True, shared_overlap=SharedOverlap.RING),
     "sp_ep_dp2_tp4_shard": ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
-                                          shard_shared_expert=True),
+                                          shard_shared_expert=True,
+                                          shared_overlap=SharedOverlap.RING),
     "ep_dp8": ParallelConfig(dp=8, expert_parallel=True),
     # EP over plain TP: rows replicated over TENSOR, experts over every device.
     "ep_tp8": ParallelConfig(tp=8, expert_parallel=True),
@@ -57,8 +60,9 @@ MULTI_DEVICE = [name for name in LAYOUTS if name != "single"]
 EXTRA_LAYOUTS: dict[str, ParallelConfig] = {
     "ep_dp8_pad_under_ep": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),
 }
-# The SP-sharded layouts above use the default SharedOverlap.RING; these are
-# the same layouts with the unoverlapped all-gather + reduce-scatter.
+# The SP-sharded layouts above name SharedOverlap.RING (the default, AUTO,
+# picks per token count: the "_auto" layouts below); these are the same
+# layouts with the unoverlapped all-gather + reduce-scatter.
 UNOVERLAPPED = {f"{name}_none": dataclasses.replace(LAYOUTS[name], shared_overlap=SharedOverlap.NONE)
                 for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
                              "sp_ep_dp2_tp4_shard")}
@@ -80,7 +84,22 @@ EXTRA_LAYOUTS.update({peer: dataclasses.replace(WEIGHTS_FORM[name], shard_shared
 EXTRA_LAYOUTS.update({f"{name}_bf16scatter": dataclasses.replace(par, shared_scatter_dtype="bfloat16")
                       for name, par in (("sp_tp8_shard", LAYOUTS["sp_tp8_shard"]),
                                         ("sp_tp8_shard_none", UNOVERLAPPED["sp_tp8_shard_none"]))})
+# The default form, AUTO: per token count the committed table's pick (at the
+# tests' token counts, NONE or its bf16 scatter, RING or WEIGHTS by (tp, dp)).
+AUTO_FORM = {f"{name}_auto": dataclasses.replace(LAYOUTS[name], shared_overlap=SharedOverlap.AUTO)
+             for name in ("sp_tp8_shard", "sp_dp2_tp4_shard", "sp_ep_tp8_shard",
+                          "sp_ep_dp2_tp4_shard")}
+EXTRA_LAYOUTS.update(AUTO_FORM)
 _ALL = {**LAYOUTS, **EXTRA_LAYOUTS}
+
+
+def add_layout(name: str, parallel: ParallelConfig) -> str:
+    """Make ``parallel`` available to module() / output() as ``name`` (a test's
+    own layout, e.g. one derived from a table's pick); the same name must keep
+    the same ParallelConfig."""
+    if _ALL.setdefault(name, parallel) != parallel:
+        raise ValueError(f"layout_cases.add_layout: {name!r} is already another layout")
+    return name
 
 
 def _module_key(cfg, name: str, layer: int):

@@ -61,12 +61,12 @@ def _no_env_opt_in(monkeypatch):
 
 # -- the gate: SPEC 4's five cases --------------------------------------------
 def test_gate_on_sp_tp8_shards_over_the_tensor_axis():
-    gate = mlp_layout(sp(8, True), H, SHARED_I)
+    assert mlp_layout(sp(8, True), H, SHARED_I).overlap is SharedOverlap.AUTO   # the default
+    gate = mlp_layout(sp(8, True, shared_overlap=SharedOverlap.RING), H, SHARED_I)
     assert gate.mode is MlpMode.SP_SHARDED
     assert gate.weight_axes == (TENSOR,)
     assert gate.param_specs == {"gate_DF": P(None, (TENSOR,)), "up_DF": P(None, (TENSOR,)),
                                 "down_FD": P((TENSOR,), None)}
-    assert gate.overlap is SharedOverlap.RING                    # the default
     assert gate.collectives == ("collective-permute",) * 14
     unoverlapped = mlp_layout(sp(8, True, shared_overlap=SharedOverlap.NONE), H, SHARED_I)
     assert unoverlapped.collectives == ("all-gather", "reduce-scatter")
@@ -77,7 +77,7 @@ def test_gate_on_sp_tp8_shards_over_the_tensor_axis():
 def test_overlap_applies_to_sp_sharded_mlps_only():
     """Decided once: only an SP-sharded MLP carries RING; the other modes NONE."""
     for par in (sp(8, False), ParallelConfig(tp=8), ParallelConfig(dp=8)):
-        assert par.shared_overlap is SharedOverlap.RING
+        assert par.shared_overlap is SharedOverlap.AUTO
         assert mlp_layout(par, H, SHARED_I).overlap is SharedOverlap.NONE
     with pytest.raises(ValueError, match="overlap ring needs an SP-sharded MLP"):
         MlpLayout(MlpMode.TP, ParallelConfig(tp=8), H, SHARED_I, (TENSOR,), "x", SharedOverlap.RING)
@@ -193,7 +193,7 @@ def test_shard_shared_expert_must_be_a_bool(bad):
                          ids=["sp8-on", "sp8-off", "sp-dp2-tp4-on", "sp16-on", "tp8", "dp8"])
 def test_same_gate_serves_dense_mlp_and_shared_expert(par):
     layout = make_layout(K3, par)
-    assert layout.dense_mlp == mlp_layout(par, H, DENSE_I)
+    assert layout.dense_mlp == mlp_layout(par, H, DENSE_I, layer_kind="dense")
     assert layout.shared_mlp == mlp_layout(par, H, SHARED_I)
     assert K3.intermediate_size == DENSE_I and K3.shared_intermediate_size == SHARED_I
 
@@ -363,14 +363,16 @@ def test_layout_properties(name):
 
 @pytest.mark.parametrize("dp, overlaps", [(1, True), (2, False)])
 def test_the_unoverlapped_sharded_shared_expert_claims_overlap_only_at_dp1(dp, overlaps):
-    """The ring (default) is claimed in every SP layout; the all-gather /
+    """The ring is claimed in every SP layout, and so is the default, auto; the all-gather /
     reduce-scatter form only where the tensor axis spans the mesh (what the
     compiled H200 schedule keeps: tests/test_aot_layouts.py)."""
     for ep in (False, True):
         par = sp(8 // dp, True, dp=dp, expert_parallel=ep, shared_overlap=SharedOverlap.NONE)
         assert make_layout(K3, par).shared_overlaps_routed is overlaps
-        ring = sp(8 // dp, True, dp=dp, expert_parallel=ep)
+        ring = sp(8 // dp, True, dp=dp, expert_parallel=ep, shared_overlap=SharedOverlap.RING)
         assert make_layout(K3, ring).shared_overlaps_routed is True
+        assert make_layout(K3, sp(8 // dp, True, dp=dp, expert_parallel=ep)
+                           ).shared_overlaps_routed is True
 
 
 def test_shared_overlaps_routed_is_a_typed_property():

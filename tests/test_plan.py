@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from k3jax import K3, TINY, ParallelConfig, SharedOverlap, build_layer, make_layout, make_mesh
+from k3jax import shared_overlap_choice
 from k3jax.cli import main as cli_main
 from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
 from k3jax.plan import (
@@ -354,8 +355,9 @@ def test_collective_bytes_full_size():
     assert got[("all-gather", "shared-expert input rows")] == (("tensor",), 512 * 7168 * 2)
     assert got[("reduce-scatter", "shared-expert partial sums")] == (("tensor",), 512 * 7168 * 4)
     # the ring form: 7 blocks of [64, D] each way, the same bytes over the wire
-    ring = moe_collectives(make_layout(K3, ep(16, shard_shared_expert=True), dtype=jnp.bfloat16),
-                           1024)
+    ring = moe_collectives(make_layout(K3, ep(16, shard_shared_expert=True,
+                                              shared_overlap=SharedOverlap.RING),
+                                       dtype=jnp.bfloat16), 1024)
     permutes = [c for c in ring if c.kind == "collective-permute"]
     assert [(c.axes, c.shape, c.dtype) for c in permutes] == (
         [(("tensor",), (64, 7168), "bfloat16")] * 7 + [(("tensor",), (64, 7168), "float32")] * 7)
@@ -367,8 +369,9 @@ def test_collective_bytes_full_size():
 
 
 def test_cli_shared_overlap_flag(capsys):
-    """--shared-overlap reaches the layout: ring (default) lists 2 x 7 permutes
-    of [T/8, D], none the all-gather + reduce-scatter; the same wire bytes."""
+    """--shared-overlap reaches the layout: ring lists 2 x 7 permutes of
+    [T/8, D], none the all-gather + reduce-scatter; the same wire bytes. The
+    default, auto, lists the collectives of the form the table picks."""
     base = ["--preset", "k3", "--json", "--tp", "8", "--sequence-parallel", "--shard-shared-expert",
             "--tokens", "1024"]
     docs = {}
@@ -376,8 +379,20 @@ def test_cli_shared_overlap_flag(capsys):
         code, out, err = run_cli(capsys, *base, *flag)
         assert code == 0, err
         docs[tuple(flag)] = json.loads(out)
-    ring, none = docs[()], docs[("--shared-overlap", "none")]
-    assert docs[("--shared-overlap", "ring")] == ring
+    ring, none = docs[("--shared-overlap", "ring")], docs[("--shared-overlap", "none")]
+    auto = docs[()]
+    assert auto["parallel"]["shared_overlap"] == "auto"
+    form, scatter = shared_overlap_choice.pick(8, 1, 1024)
+    assert auto["layout"]["overlap_forms"]["shared_expert"] == form
+    assert auto["layout"]["overlap_forms"]["shared_expert_scatter_dtype"] == scatter
+    picked = [c for c in auto["collectives"] if c["what"].startswith("shared-expert")]
+    if form == "none":
+        assert [(c["kind"], c["dtype"]) for c in picked] == [("all-gather", "bfloat16"),
+                                                             ("reduce-scatter", scatter)]
+    elif form == "ring":
+        assert {c["kind"] for c in picked} == {"collective-permute"} and len(picked) == 14
+    else:
+        assert [c["kind"] for c in picked] == ["all-gather", "all-gather"]
     assert ring["parallel"]["shared_overlap"] == "ring" and none["parallel"]["shared_overlap"] == "none"
     shared = {k: [c for c in d["collectives"] if c["what"].startswith("shared-expert")]
               for k, d in (("ring", ring), ("none", none))}

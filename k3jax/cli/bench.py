@@ -84,9 +84,10 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-moe-layer", action="store_true", help="only the shared-expert sweep")
     p.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
                    default=DEFAULT_SHARED_OVERLAP.value,
-                   help="how the sharded shared expert meets its rows: 'ring' (overlapped "
-                        "collective matmul), 'none' (all-gather + reduce-scatter of the rows) "
-                        "or 'weights' (all-gather the weight shards, replicated MLP on own rows) "
+                   help="how the sharded shared expert meets its rows: 'auto' (the committed "
+                        "table's pick per token count), 'ring' (overlapped collective matmul), "
+                        "'none' (all-gather + reduce-scatter of the rows) or 'weights' "
+                        "(all-gather the weight shards, replicated MLP on own rows) "
                         f"(default {DEFAULT_SHARED_OVERLAP.value})")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON ('-': stdout, "
@@ -232,14 +233,14 @@ def print_table(result, file) -> None:
     table.add_column("tokens", justify="right")
     titles = {"shared_expert": "shared expert", "moe_layer": "MoE layer"}
     for name in comps:
-        for col in ("replicated", "sharded", "ratio"):
+        for col in ("replicated", "sharded", "form", "ratio"):
             table.add_column(f"{titles[name]} {col}", justify="right")
     for i, t in enumerate(result.tokens):
         row = [str(t)]
         for comp in comps.values():
             ratio = comp.ratio[i]
             row += [f"{comp.replicated.median_ms[i]:.3f}", f"{comp.sharded.median_ms[i]:.3f}",
-                    f"[{'red' if ratio > 1 else 'green'}]{ratio:.2f}[/]"]
+                    comp.sharded.forms[i], f"[{'red' if ratio > 1 else 'green'}]{ratio:.2f}[/]"]
         table.add_row(*row)
     console.print(table)
     for name, comp in comps.items():

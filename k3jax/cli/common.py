@@ -23,7 +23,7 @@ from k3jax.layout import (
     ParallelConfig,
     SharedOverlap,
 )
-from k3jax.parallel_config import DEFAULT_SCATTER_DTYPE, SCATTER_DTYPES, SHARD_SHARED_EXPERT_ENV
+from k3jax.parallel_config import SCATTER_DTYPES, SHARD_SHARED_EXPERT_ENV
 from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -168,15 +168,18 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                         "parallelism (default: K3JAX_SHARD_SP_SHARED_EXPERT, else off)")
     g.add_argument("--shared-overlap", choices=[o.value for o in SharedOverlap],
                    default=DEFAULT_SHARED_OVERLAP.value,
-                   help="how an SP-sharded shared expert / dense MLP meets its rows: 'ring' "
-                        "(collective matmul: tp - 1 ppermutes each way, each block's matmul "
-                        "overlapping the next transfer), 'none' (one all-gather + one "
-                        "reduce-scatter of the rows) or 'weights' (all-gather the weight shards, "
-                        "run the replicated MLP on own rows; needs --sequence-parallel and "
-                        f"--shard-shared-expert) (default {DEFAULT_SHARED_OVERLAP.value})")
-    g.add_argument("--shared-scatter-dtype", choices=SCATTER_DTYPES, default=DEFAULT_SCATTER_DTYPE,
+                   help="how an SP-sharded shared expert / dense MLP meets its rows: 'auto' "
+                        "(per token count, the whole-layer latency model's pick among the next "
+                        "three, from a committed table; docs/latency.md), 'ring' (collective "
+                        "matmul: tp - 1 ppermutes each way, each block's matmul overlapping the "
+                        "next transfer), 'none' (one all-gather + one reduce-scatter of the "
+                        "rows) or 'weights' (all-gather the weight shards, run the replicated "
+                        "MLP on own rows; needs --sequence-parallel and --shard-shared-expert) "
+                        f"(default {DEFAULT_SHARED_OVERLAP.value})")
+    g.add_argument("--shared-scatter-dtype", choices=SCATTER_DTYPES, default=None,
                    help="dtype the 'none' and 'ring' forms reduce-scatter their partial sums in "
-                        f"(bfloat16: half the bytes, bf16 rounding) (default {DEFAULT_SCATTER_DTYPE})")
+                        "(bfloat16: half the bytes, bf16 rounding) (default: float32, or under "
+                        "'auto' the table's pick)")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:

@@ -131,6 +131,12 @@ def print_report(report, file=None) -> None:
                   f"{report.tokens} tokens, backend {report.backend}, {par.describe()}, "
                   f"{par.num_devices} x {d['target']['device']} ({d['target']['compute_capability']}), "
                   f"compiled in {d['compile_seconds']:.1f} s", highlight=False)
+    if par.sequence_parallel and par.shard_shared_expert:
+        forms = d["layout"]["overlap_forms"]
+        console.print(f"SP-sharded MLP form (--shared-overlap {par.shared_overlap.value}): shared "
+                      f"expert {forms['shared_expert']} ({forms['shared_expert_scatter_dtype']} "
+                      f"scatter), dense MLP {forms['dense_mlp']} "
+                      f"({forms['dense_mlp_scatter_dtype']} scatter)", highlight=False)
 
     table = Table(title="Per-device bytes from the compiler")
     for column, justify in (("what", "left"), ("bytes", "right"), ("GB", "right")):

@@ -292,7 +292,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     for i, m in zip(layers, modules):
         if len(layers) > 1:
             print(f"layer {i}:")
-        print(_describe_layout(m, cfg.is_moe_layer(i)))
+        print(_describe_layout(m, cfg.is_moe_layer(i), x.shape[0]))
         per_param = param_shard_bytes(m)
         arrays = {".".join(map(str, path)): var.get_value()
                   for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param))}
@@ -413,8 +413,9 @@ def _agree_kernel_backends(spec: startup.ProcessSpec, forward, state, x_dev) -> 
         jax.clear_caches()
 
 
-def _describe_layout(module, is_moe: bool) -> str:
+def _describe_layout(module, is_moe: bool, tokens: int) -> str:
+    """The module's layout with the shared-overlap form picked for ``tokens``."""
+    layout = module.layout.for_tokens(tokens)
     if is_moe:
-        return module.layout.describe()
-    layout = module.layout
+        return layout.describe()
     return f"dense MLP: {layout.mode.value} ({layout.reason})"

@@ -322,7 +322,7 @@ class KimiMoE(nnx.Module):
         D = self.cfg.hidden_size
         if x_TD.ndim != 2 or x_TD.shape[1] != D:
             raise ValueError(f"KimiMoE: x must be [T, {D}], got {list(x_TD.shape)}")
-        return moe_forward(self.layout, self.mesh)(x_TD, self.weights())
+        return moe_forward(self.layout.for_tokens(x_TD.shape[0]), self.mesh)(x_TD, self.weights())
 
 
 @functools.lru_cache(maxsize=64)
