@@ -46,3 +46,7 @@ def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
     assert 0 < r.registers <= 255 and 0 < r.smem_bytes <= 232_448, r
     assert r.grid == (132, 1, 1), r                # persistent: one CTA per SM
     assert r.spill_bytes == 0, r
+    # the consumer K step's SASS is counted (k3jax.kernel_sass): every
+    # weight element of the step is multiplied once per x plane
+    assert r.k_step is not None and r.k_step.mma_kn == 128 * 128, r
+    assert r.k_step.instructions > 0 and r.k_step.per_weight() > 0, r
