@@ -157,10 +157,13 @@ def compile_kernel(config: KernelConfig) -> list[PtxasReport]:
         return reports()
 
 
-def compile_all(log=print) -> dict[str, list[PtxasReport]]:
-    """Every configuration of kernel_configs() compiled: name -> its reports."""
+def compile_all(log=print, only: str | None = None) -> dict[str, list[PtxasReport]]:
+    """Every configuration of kernel_configs() (whose name contains ``only``,
+    if given) compiled: name -> its reports."""
     out = {}
     for config in kernel_configs():
+        if only is not None and only not in config.name:
+            continue
         t0 = time.perf_counter()
         out[config.name] = compile_kernel(config)
         for r in out[config.name]:
@@ -185,11 +188,14 @@ _HELD_KEYS = ("registers", "spill_store_bytes", "spill_load_bytes")
 def kernel_entries(reports: list[PtxasReport]) -> list[dict]:
     """A configuration's golden entries: one per kernel (name without Mosaic's
     per-process counter, registers, spill store / load bytes, SMEM bytes,
-    grid), ordered by (kernel, grid, SMEM, registers) so that two compiles of
-    one configuration give equal lists."""
+    grid; a dequantizing kernel's dequant_sass_per_weight too, bf16 x:
+    k3jax.kernel_sass), ordered by (kernel, grid, SMEM, registers) so that
+    two compiles of one configuration give equal lists."""
     rows = [{"kernel": _COUNTER.sub("", r.name), "registers": r.registers,
              "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
-             "smem_bytes": r.smem_bytes, "grid": list(r.grid)} for r in reports]
+             "smem_bytes": r.smem_bytes, "grid": list(r.grid),
+             **({} if r.k_step is None else
+                {"dequant_sass_per_weight": round(r.k_step.per_weight(), 3)})} for r in reports]
     return sorted(rows, key=lambda e: (e["kernel"], e["grid"], e["smem_bytes"], e["registers"]))
 
 
@@ -207,9 +213,9 @@ def compare_entries(golden: list[dict], found: list[dict]) -> tuple[list[str], l
             if f[key] != g[key]:
                 (worse if f[key] > g[key] else other).append(
                     f"{f['kernel']}: {key} {g[key]} -> {f[key]}")
-        for key in ("smem_bytes", "grid"):
-            if f[key] != g[key]:
-                other.append(f"{f['kernel']}: {key} {g[key]} -> {f[key]}")
+        for key in ("smem_bytes", "grid", "dequant_sass_per_weight"):
+            if f.get(key) != g.get(key):
+                other.append(f"{f['kernel']}: {key} {g.get(key)} -> {f.get(key)}")
     return worse, other
 
 
@@ -360,6 +366,9 @@ def main(argv=None) -> int:
     p.add_argument("--write-golden", action="store_true",
                    help=f"write the kernels' golden file ({os.path.relpath(GOLDEN_JSON, _REPO)} "
                         f"and .md) instead of the table; needs --kernels")
+    p.add_argument("--only", metavar="TEXT",
+                   help="only the kernel configurations whose name contains TEXT; with "
+                        "--write-golden the file keeps the other configurations' entries")
     p.add_argument("--accept-worse", action="store_true",
                    help="with --write-golden: record configurations that got worse too")
     args = p.parse_args(argv)
@@ -371,10 +380,14 @@ def main(argv=None) -> int:
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     out: dict[str, list[dict]] = {}
     if both or args.kernels:
-        results = compile_all(log)
+        results = compile_all(log, args.only)
         out["kernels"] = kernel_rows(results)
         if args.write_golden:
             entries = {name: kernel_entries(reports) for name, reports in results.items()}
+            if args.only is not None:   # the rest as the file has them, in its order
+                kept = read_golden()["configurations"]
+                entries = {name: entries.get(name, kept.get(name)) for name in
+                           [*kept, *(n for n in entries if n not in kept)]}
             return write_golden(golden_document(entries, source_commit()), args.accept_worse, log)
     if both or args.layouts:
         out["layouts"] = layout_rows(LAYOUT_TOKENS, log)

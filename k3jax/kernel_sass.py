@@ -8,10 +8,16 @@ builds the cubin, the nvidia-cuda-nvdisasm wheel's nvdisasm disassembles it.
 
 The K-step loop is the smallest loop (a conditional backward branch) that
 holds WGMMAs (HGMMA). Its instructions are counted per thread, once per K
-step: a loop nested inside it counts ``trips`` times, the trip count read off
-its counter (initialised before the loop, stepped by an immediate, compared
-with an immediate by the back edge's ISETP). Out-of-line code the loop jumps
-to (barrier try-wait retries) is not counted: it runs only while waiting.
+step, on its fast path: the cheapest path through the loop's basic blocks
+that passes every block holding an HGMMA or one of the fast dequant's
+bf16x2 multiplies (ON_FAST_PATH; so the exact path taken only for K steps
+with extreme scale bytes is not on it, and ``loop_instructions`` counts
+every path). A loop
+nested inside counts ``trips`` times, the trip count read off its counter
+(initialised before the loop, stepped by an immediate, compared with an
+immediate by the back edge's ISETP) or ptxas's two-pass uniform flag.
+Out-of-line code the loop jumps to (barrier try-wait retries) is not
+counted: it runs only while waiting.
 
 Not counted (NOT_DEQUANT): WGMMA and its fences, TMA, barriers and the
 pipeline's own synchronisation (mbarrier SYNCS, BAR, MEMBAR, FENCE, DEPBAR).
@@ -41,6 +47,10 @@ DEQUANT_KERNELS = re.compile(r"grouped_\w+_mxfp4_")
 NOT_DEQUANT = ("HGMMA", "WARPGROUP", "UTMA", "UBLKCP", "SYNCS", "BAR", "MEMBAR", "FENCE",
                "DEPBAR", "ERRBAR", "CCTL", "NOP")
 """Opcode prefixes not charged to the dequantization (the module docstring)."""
+
+ON_FAST_PATH = ("HGMMA", "HMUL2")
+"""Opcodes every block of which the K step's fast path passes: the WGMMAs
+and the fast dequantization's bf16x2 multiplies (mxfp4_fast.SEQUENCE)."""
 
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -104,8 +114,9 @@ def trip_count(instructions: list[str], first: int, last: int) -> int:
     p = pred.group(2)
     setp = next((ins for ins in reversed(instructions[first:last])
                  if re.match(rf"(?:I?SETP|PLOP3)\S*\s+{p},", ins)), None)
-    if setp and (flag := re.match(rf"PLOP3\.LUT\s+{p},\s*PT,\s*PT,\s*PT,\s*(UP\d+),\s*0x80,", setp)):
-        return _two_pass_trips(instructions, first, last, flag.group(1))
+    copied = _flag_op(setp) if setp else None
+    if copied is not None and copied[1] is not None:
+        return _two_pass_trips(instructions, first, last, copied[1])
     m = setp and re.match(r"ISETP\.NE\S*\.AND\s+P\d+,\s*PT,\s*(R\d+),\s*(0x[0-9a-f]+|\d+),", setp)
     if not m:
         raise SassParseError(f"loop {first}..{last}: no counter compare for {p} ({setp!r})")
@@ -131,35 +142,57 @@ def trip_count(instructions: list[str], first: int, last: int) -> int:
     return (limit - init) // step
 
 
-def _set_uniform(ins: str, up: str) -> str | None:
-    """``UPLOP3.LUT UPx, UPT, UPT, UPT, UPT, 0x80 / 0x40`` -> "true" / "false"."""
-    m = re.match(rf"UPLOP3\.LUT\s+{up},\s*UPT,\s*UPT,\s*UPT,\s*UPT,\s*(0x80|0x40),", ins)
-    return None if m is None else {"0x80": "true", "0x40": "false"}[m.group(1)]
+_PLOP3 = re.compile(r"U?PLOP3\.LUT\s+(U?P\d+),\s*U?PT,\s*(U?PT|U?P\d+),\s*(U?PT|U?P\d+),"
+                    r"\s*(U?PT|U?P\d+),\s*(0x[0-9a-f]+),")
 
 
-def _two_pass_trips(instructions: list[str], first: int, last: int, up: str) -> int:
-    """The two-trip loop ptxas builds on a uniform flag: ``up`` set true before
-    the loop, copied into the back edge's predicate and then set false in it."""
-    before = next((ins for ins in reversed(instructions[:first]) if re.match(rf"\S+\s+{up}\b", ins)),
+def _flag_op(ins: str) -> tuple[str, str | None, int] | None:
+    """A predicate set by PLOP3 from constants or copied from one flag:
+    (dst, source flag or None, value or lut) or None."""
+    m = _PLOP3.match(ins)
+    if m is None:
+        return None
+    dst, srcs, lut = m.group(1), [s for s in m.group(2, 3, 4)], int(m.group(5), 0)
+    flags = [s for s in srcs if not s.endswith("PT")]
+    if not flags:
+        return dst, None, (lut >> 7) & 1          # all inputs true: the table's top bit
+    if len(flags) == 1 and lut == 0x80:
+        return dst, flags[0], 1                   # a copy of the one flag
+    return None
+
+
+def _writes_predicate(ins: str, pred: str) -> bool:
+    return bool(re.match(rf"(?:@!?U?P\d+\s+)?\S+\s+(?:\S+,\s*)?{pred},", ins)) or \
+        bool(re.match(rf"(?:@!?U?P\d+\s+)?\S+\s+{pred}\b", ins))
+
+
+def _two_pass_trips(instructions: list[str], first: int, last: int, flag: str) -> int:
+    """The two-trip loop ptxas builds on a flag: ``flag`` set true before the
+    loop, copied into the back edge's predicate and then set false in it."""
+    before = next((ins for ins in reversed(instructions[:first]) if _writes_predicate(ins, flag)),
                   "")
-    inside = [_set_uniform(ins, up) for ins in instructions[first:last]
-              if re.match(rf"\S+\s+{up}\b", ins)]
-    if _set_uniform(before, up) != "true" or inside != ["false"]:
-        raise SassParseError(f"loop {first}..{last}: flag {up} set {before!r} before, {inside} in")
+    inside = [_flag_op(ins) for ins in instructions[first:last] if _writes_predicate(ins, flag)]
+    if _flag_op(before) != (flag, None, 1) or inside != [(flag, None, 0)]:
+        raise SassParseError(f"loop {first}..{last}: flag {flag} set {before!r} before, "
+                             f"{inside} in")
     return 2
 
 
 @dataclasses.dataclass(frozen=True)
 class KStepSass:
-    """One consumer K step's SASS, per thread: ``instructions`` counted (not
-    NOT_DEQUANT), ``by_opcode`` their split by opcode family (IADD3.X ->
-    IADD3), ``mma_kn`` the sum of k x n over its HGMMAs (weight elements per
-    x plane), ``nested_trips`` the trip count of each loop nested in it."""
+    """One consumer K step's SASS, per thread, on its fast path (module
+    docstring): ``instructions`` counted (not NOT_DEQUANT), ``by_opcode``
+    their split by opcode family (IADD3.X -> IADD3), ``mma_kn`` the sum of
+    k x n over its HGMMAs (weight elements per x plane), ``nested_trips``
+    the trip count of each loop nested in the K-step loop,
+    ``loop_instructions`` the count over every instruction of the loop (all
+    paths, e.g. the exact path for extreme scales as well)."""
 
     instructions: int
     mma_kn: int
     nested_trips: tuple[int, ...] = ()
     by_opcode: tuple[tuple[str, int], ...] = ()
+    loop_instructions: int = 0
 
     def per_weight(self, planes: int = 1) -> float:
         """Counted instructions per weight element (planes: x planes per
@@ -167,8 +200,64 @@ class KStepSass:
         return self.instructions * WARPGROUP_THREADS * planes / self.mma_kn
 
 
+def _successors(instructions: list[str], labels: dict[str, int], first: int, last: int,
+                end: int) -> list[int]:
+    """Forward successors (instruction indices inside [first, last]) of the
+    block ending at ``end``: backward branches (loop back edges) and jumps
+    out of the loop (retry code) are not followed."""
+    ins = instructions[end]
+    m = _BRANCH.match(ins)
+    if m is None:
+        out = [] if opcode(ins).startswith(("EXIT", "RET")) else [end + 1]
+    else:
+        target = labels[m.group(2)]
+        out = ([end + 1] if m.group(1) else []) + ([target] if end < target else [])
+    return [i for i in out if first <= i <= last]
+
+
+def _fast_path(instructions: list[str], labels: dict[str, int], first: int, last: int,
+               weight: list[int]) -> list[int]:
+    """Indices of the cheapest path (counted instructions x weight) from
+    ``first`` to ``last`` that passes every block holding an ON_FAST_PATH
+    opcode."""
+    leaders = {first, last + 1}
+    leaders |= {t for t in labels.values() if first <= t <= last}
+    leaders |= {i + 1 for i in range(first, last + 1) if _BRANCH.match(instructions[i])
+                or opcode(instructions[i]).startswith(("EXIT", "RET"))}
+    starts = sorted(t for t in leaders if first <= t <= last)
+    ends = [b - 1 for b in starts[1:]] + [last]
+    block_of = {s: k for k, s in enumerate(starts)}
+
+    def cost(k: int) -> int:
+        return sum(weight[i - first] for i in range(starts[k], ends[k] + 1)
+                   if not opcode(instructions[i]).startswith(NOT_DEQUANT))
+
+    required = [any(opcode(instructions[i]).startswith(ON_FAST_PATH)
+                    for i in range(starts[k], ends[k] + 1)) for k in range(len(starts))]
+    inf = float("inf")
+    dist, back = [inf] * len(starts), [-1] * len(starts)
+    dist[0] = cost(0)
+    for j in range(len(starts)):
+        if dist[j] == inf:
+            continue
+        for target in _successors(instructions, labels, first, last, ends[j]):
+            k = block_of[target]
+            if any(required[j + 1:k]):   # the path may not skip an HGMMA block
+                continue
+            if dist[j] + cost(k) < dist[k]:
+                dist[k], back[k] = dist[j] + cost(k), j
+    k = len(starts) - 1
+    if dist[k] == inf:
+        raise SassParseError(f"loop {first}..{last}: no path through its HGMMAs")
+    path = []
+    while k >= 0:
+        path = list(range(starts[k], ends[k] + 1)) + path
+        k = back[k]
+    return path
+
+
 def k_step_count(sass: str) -> KStepSass:
-    """The consumer K-step loop's counts (module docstring)."""
+    """The consumer K-step loop's counts on its fast path (module docstring)."""
     instructions, labels = parse(sass)
     found = loops(instructions, labels)
     with_mma = [(a, b) for a, b in found
@@ -186,15 +275,18 @@ def k_step_count(sass: str) -> KStepSass:
                 weight[j] *= n
     counts: collections.Counter[str] = collections.Counter()
     mma_kn = 0
-    for w, ins in zip(weight, instructions[first:last + 1]):
-        op = opcode(ins)
+    for i in _fast_path(instructions, labels, first, last, weight):
+        op, w = opcode(instructions[i]), weight[i - first]
         if shape := _HGMMA_SHAPE.match(op):
             mma_kn += int(shape.group(2)) * int(shape.group(3)) * w
         if not op.startswith(NOT_DEQUANT):
             counts[op.split(".")[0]] += w
+    every = sum(w for w, ins in zip(weight, instructions[first:last + 1])
+                if not opcode(ins).startswith(NOT_DEQUANT))
     return KStepSass(instructions=sum(counts.values()), mma_kn=mma_kn, nested_trips=tuple(trips),
-                     by_opcode=tuple(sorted(counts.items(), key=lambda kv: -kv[1])))
+                     by_opcode=tuple(sorted(counts.items(), key=lambda kv: -kv[1])),
+                     loop_instructions=every)
 
 
-__all__ = ["DEQUANT_KERNELS", "NOT_DEQUANT", "KStepSass", "SassParseError", "disassemble", "k_step_count", "loops",
-           "opcode", "parse", "trip_count"]
+__all__ = ["DEQUANT_KERNELS", "NOT_DEQUANT", "ON_FAST_PATH", "KStepSass", "SassParseError",
+           "disassemble", "k_step_count", "loops", "opcode", "parse", "trip_count"]

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3jax.aot import PtxasReport
-from k3jax.kernel_sass import KStepSass
 from k3jax.files import atomic_write
+from k3jax.kernel_sass import KStepSass
 
 CACHE_ENV = "K3JAX_TEST_CACHE"
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,18 @@ bitcast, no copy); each consumer splits its x tile into even / odd halves
 (integer and / shift, 16-bit truncation, same-width bitcast) into a bf16
 [64, 128] SMEM tile in the same order (split_pairs).
 
-Dequant: exact, the decisions of pallas_kernels.mxfp4 bit for bit (scale
+Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
+over the scale bytes, 1/16 of the packed bytes):
+  * fast (``..._mxfp4_m64``): fast_dequant_tile, pallas_kernels.mxfp4_fast's
+    bit sequence per packed register (inline PTX, mxfp4_dequant.fast_chunk;
+    the jnp emulation of the same ops in interpret mode), column chunks
+    unrolled. Exact when every scale byte is in FAST_SCALES (2..128).
+  * exact (``..._mxfp4_exact_m64``): dequant_tile below, for weights with any
+    scale byte outside FAST_SCALES (0, 1, 129..254, 255).
+Keeping the exact path out of the fast kernel's K loop matters: a per-step
+branch to it makes ptxas serialize the WGMMAs (C7519) and spill the fused tile.
+
+Exact dequant: the decisions of pallas_kernels.mxfp4 bit for bit (scale
 byte 255 -> NaN, float32 overflow -> inf, results below 2**-126 -> signed
 zero, then the exact cast to bf16). No float subnormal appears in any
 operand, so a flush-to-zero multiply (XLA:CPU's, in interpret mode) gives
@@ -58,9 +69,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import mosaic_skeleton as skeleton
 from pallas_kernels.grouped_matmul import mosaic_sm90 as sm90
-from pallas_kernels.grouped_matmul import tiling
+from pallas_kernels.grouped_matmul import mxfp4_dequant, tiling
 from pallas_kernels.grouped_matmul.schedule import schedule, x_rows
 from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Weights
+from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = 128          # K elements per pipeline step: 64 packed rows, 4 scale rows
@@ -127,6 +139,20 @@ def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
         w_smem[pl.ds(rows, rows), chunk] = dequant_nibbles(packed >> 4, bits)
 
 
+def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
+    """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk):
+    exact when every scale byte of the step is in mxfp4_fast.FAST_SCALES."""
+    rows = BLOCK_K // 2
+    cols = min(DEQUANT_COLS, block_n)
+
+    for c in range(block_n // cols):   # unrolled: no inner loop on the fast path
+        chunk = pl.ds(c * cols, cols)
+        packed = plgpu.load(packed_smem.at[:, chunk], layout=plgpu.Layout.WGMMA)
+        lo, hi = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, chunk], interpret)
+        w_smem[pl.ds(0, rows), chunk] = lo
+        w_smem[pl.ds(rows, rows), chunk] = hi
+
+
 def split_pairs(pairs_smem, x_smem) -> None:
     """uint32 [64, BLOCK_K/2] SMEM tile of bf16 pairs (element 2j in the low
     half) -> bf16 [64, BLOCK_K] x_smem: x's even K elements in columns
@@ -161,12 +187,13 @@ def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileConfig,
-               num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype):
+               num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype,
+               fast: bool, interpret: bool):
     """Kernel body(meta_4W, *x_planes_MK, (packed_GKN, scale_GKN) * num_w, o_MN).
 
     The row-major loop (split_k = 1, tiles drain) with the weight operand
     dequantized per K step into a bf16 SMEM tile per consumer warpgroup and
-    weight."""
+    weight: by fast_dequant_tile (``fast``) or dequant_tile."""
     wg_m = cfg.wg_block_m
     scratch = {
         "o_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
@@ -211,7 +238,10 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
                     split_pairs(x_pairs, x_tile)
                 for i, (acc, (packed_smem, scale_smem)) in enumerate(zip(accs, w_refs)):
                     tile = w_smem.at[wg * num_w + i]
-                    dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
+                    if fast:
+                        fast_dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
+                    else:
+                        dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
                     for x_tile in x_tiles[::-1]:   # lo plane (if any) first
                         plgpu.wgmma(acc, x_tile, tile)
@@ -326,6 +356,14 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dty
                      k_pad=tiling.round_up(k, BLOCK_K), n_pad=tiling.round_up(n, cfg.block_n))
 
 
+def needs_exact(scales: list[jax.Array]) -> jax.Array:
+    """True when any UE8M0 byte of ``scales`` (uint8 [G, K/32, N] each) is
+    outside mxfp4_fast.FAST_SCALES: the launch then runs the exact kernel.
+    One XLA reduction over the scale bytes (1/16 of the packed bytes)."""
+    lo, hi = FAST_SCALES.start, FAST_SCALES.stop - 1
+    return functools.reduce(jnp.logical_or, [jnp.any((s < lo) | (s > hi)) for s in scales])
+
+
 def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
     """(packed, scale) zero-padded to [G, k_pad/2, n_pad] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
@@ -351,15 +389,23 @@ def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                 (tiling.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in _pad_weight(w, launch.k_pad, launch.n_pad)]
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
-    body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg, num_rows=m,
-                      num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,
-                      out_dtype=out_dtype)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
-    kernel = skeleton.launch(
-        body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
-        grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
-        num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_mxfp4_m{cfg.block_m}")
-    y_MN = kernel(meta_4W, *x_planes, *w_refs)
+
+    def kernel(fast: bool):
+        body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
+                          num_rows=m, num_k_steps=launch.num_k_steps,
+                          num_n_blocks=launch.num_n_blocks, out_dtype=out_dtype, fast=fast,
+                          interpret=bool(interpret))
+        variant = "mxfp4" if fast else "mxfp4_exact"
+        launched = skeleton.launch(
+            body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
+            grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
+            num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_{variant}_m{cfg.block_m}")
+        return lambda args: launched(*args)
+
+    # the fast kernel unless a scale byte is outside FAST_SCALES (module docstring)
+    y_MN = lax.cond(needs_exact(w_refs[1::2]), kernel(False), kernel(True),
+                    (meta_4W, *x_planes, *w_refs))
     return y_MN if launch.n_pad == n else y_MN[:, :n]
 
 
