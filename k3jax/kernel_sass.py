@@ -23,7 +23,7 @@ Not counted (NOT_DEQUANT): WGMMA and its fences, TMA, barriers and the
 pipeline's own synchronisation (mbarrier SYNCS, BAR, MEMBAR, FENCE, DEPBAR).
 Everything else in the loop is charged to the weight dequantization: the
 integer / float ALU work, the SMEM loads of the codes and scales, the SMEM
-stores of the bf16 tile, the x split and the loop's own bookkeeping.
+stores of the bf16 tile, any x reshuffle and the loop's own bookkeeping.
 
 ``dequant_sass_per_weight`` = counted instructions per thread per K step x
 128 threads / the weight elements one warpgroup's K step multiplies

@@ -73,6 +73,33 @@ def test_two_pass_flag_loop_counts_two():
     assert step.instructions == 1 + 4 * 2 + 4
 
 
+def test_two_pass_predicate_flag_loop_counts_two():
+    """The same two-pass loop on a predicate register: P0 set true before,
+    copied into the back edge's P5, then set false."""
+    inner = ["PRMT R5, R6, 0x5410, R7", "PLOP3.LUT P5, PT, P0, PT, PT, 0x80, 0x0",
+             "PLOP3.LUT P0, PT, PT, PT, PT, 0x8, 0x0", "@P5 BRA `(.L_x_3)"]
+    step = kernel_sass.k_step_count(_kernel(inner, ["PLOP3.LUT P0, PT, PT, PT, PT, 0x80, 0x0"]))
+    assert step.nested_trips == (2,)
+
+
+def test_fast_path_skips_a_branched_over_block():
+    """A block the K step can branch around (no HGMMA / HMUL2 in it) is not
+    on the fast path; loop_instructions still counts it."""
+    sass = _sass([
+        ".L_x_2:",
+        "HMUL2.BF16_V2 R1, R2, R3",
+        "@P1 BRA `(.L_x_4)",
+        "FMUL R5, R5, R6", "FMUL R5, R5, R6", "FMUL R5, R5, R6",
+        ".L_x_4:",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24, gsb0",
+        "ISETP.NE.U32.AND P2, PT, R138, 0x18, PT",
+        "@P2 BRA `(.L_x_2)",
+    ])
+    step = kernel_sass.k_step_count(sass)
+    assert step.instructions == 4 and step.loop_instructions == 7
+    assert "FMUL" not in dict(step.by_opcode)
+
+
 def test_unreadable_trip_count_is_an_error():
     inner = ["ISETP.GE.U32.AND P3, PT, R7, 0x2, PT", "@P3 BRA `(.L_x_3)"]
     with pytest.raises(kernel_sass.SassParseError, match="no counter compare"):
