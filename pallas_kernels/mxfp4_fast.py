@@ -15,7 +15,7 @@ which is exactly the E2M1 value times 2**-126 (exponent field e, top mantissa
 bit m; code 1, 0.5, lands on the bf16 subnormal 2**-127). One bf16x2 multiply
 by 2**(b - 1) gives value * 2**(b - 127): exact, because for FAST_SCALES the
 product is a normal bf16 (|v| in [2**-126, 12]) with at most two
-significant bits. 10 PTX instructions per 4 weights (8 integer, 2 multiplies).
+significant bits. 9 PTX instructions per 4 weights (7 integer, 2 multiplies).
 
 Scale bytes outside FAST_SCALES (0 and 1: results below 2**-126 that the
 codec flushes to zero; 129..254: 2**(b - 1) is not a bf16; 255: NaN) are not
@@ -42,6 +42,7 @@ result below 2**-126)."""
 CODE_MASK = 0x01C001C0    # e1 e0 m of each lane at bits 6..8
 SIGN_MASK = 0x80008000    # each lane's sign
 OR_MASKED = 0xEC          # lop3 table of (a & c) | b (a = 0xF0, b = 0xCC, c = 0xAA)
+OR_AND = 0xA8             # lop3 table of (a | b) & c
 SCALE_BIAS = 0x3F003F00   # (126 << 7) per lane: 2**(b - 1) has exponent field b + 126
 
 
@@ -56,26 +57,27 @@ class Op:
 
 
 SEQUENCE = (
-    Op("prmt", "t", ("q", "q"), (0x1100,)),           # bytes [q0, q0, q1, q1]
+    Op("prmt", "t", ("q", "zero"), (0x1404,)),        # bytes [0, q0, 0, q1]
     Op("shr", "a", ("t",), (6,)),                     # high nibbles' e1 e0 m -> bits 6..8
     Op("and", "a", ("a",), (CODE_MASK,)),
     Op("lop3", "h", ("t", "a"), (SIGN_MASK, OR_MASKED)),   # + their signs (bits 15 / 31)
     Op("shl", "u", ("t",), (4,)),                     # low nibbles' signs -> bits 15 / 31
     Op("shr", "b", ("t",), (2,)),                     # low nibbles' e1 e0 m -> bits 6..8
-    Op("and", "b", ("b",), (CODE_MASK,)),
-    Op("lop3", "l", ("u", "b"), (SIGN_MASK, OR_MASKED)),
+    Op("lop3", "l", ("u", "b"), (SIGN_MASK | CODE_MASK, OR_AND)),   # u, b clean there
     Op("mul.bf16x2", "lo", ("l", "s")),
     Op("mul.bf16x2", "hi", ("h", "s")),
 )
-"""(q, s) -> (lo, hi): the codes of one packed register to two bf16x2."""
+"""(q, s) -> (lo, hi): the codes of one packed register to two bf16x2. The
+zero bytes of t keep u's bits 6..8 / 22..24 and b's bits 15 / 31 clear, so
+the low nibbles need no mask of their own; the high nibbles do (t's bit 8
+is the low nibble's bit 0)."""
 
 SCALE_SEQUENCE = (
-    Op("prmt", "y", ("sv", "sv"), (0x4140,)),         # bytes [b_c, 0, b_c+1, 0] (4: zero)
+    Op("prmt", "y", ("sv", "zero"), (0x4140,)),       # bytes [b_c, 0, b_c+1, 0]
     Op("mad", "s", ("y",), (128, SCALE_BIAS)),        # lane = (b + 126) << 7 = 2**(b - 1)
 )
-"""sv (the scale bytes of columns c, c+1 in bits 0..15) -> s. ``prmt`` reads
-its second operand as zero here: the emulation and the PTX both use ``sv``
-for bytes 0..3 and select 4 (a zero byte of the PTX's literal 0 operand)."""
+"""sv (the scale bytes of columns c, c+1 in bits 0..15) -> s. The operand
+"zero" is the literal 0 (selector 4 reads its byte 0)."""
 
 INPUTS = {"SEQUENCE": ("q", "s"), "SCALE_SEQUENCE": ("sv",)}
 OUTPUTS = {"SEQUENCE": ("lo", "hi"), "SCALE_SEQUENCE": ("s",)}
@@ -86,8 +88,7 @@ OUTPUTS = {"SEQUENCE": ("lo", "hi"), "SCALE_SEQUENCE": ("s",)}
 def _ptx_line(op: Op, reg) -> str:
     dst, src = reg(op.dst), [reg(s) for s in op.src]
     if op.name == "prmt":
-        second = "0" if op.src[1] == "sv" else src[1]
-        return f"prmt.b32 {dst}, {src[0]}, {second}, {op.imm[0]:#x};"
+        return f"prmt.b32 {dst}, {src[0]}, {src[1]}, {op.imm[0]:#x};"
     if op.name in ("shr", "shl"):
         kind = "shr.u32" if op.name == "shr" else "shl.b32"
         return f"{kind} {dst}, {src[0]}, {op.imm[0]};"
@@ -105,7 +106,7 @@ def _ptx_line(op: Op, reg) -> str:
 def ptx(sequence: tuple[Op, ...], inputs: tuple[str, ...], outputs: tuple[str, ...]) -> str:
     """The inline-asm body: outputs are $0.., inputs follow; the rest are
     scoped .b32 registers (constraints "=r" per output, "r" per input)."""
-    operands = {name: f"${i}" for i, name in enumerate((*outputs, *inputs))}
+    operands = {name: f"${i}" for i, name in enumerate((*outputs, *inputs))} | {"zero": "0"}
     temps = sorted({op.dst for op in sequence} - set(operands))
     reg = lambda name: operands.get(name, f"%{name}_")   # noqa: E731
     lines = [f".reg .b32 {', '.join(reg(t) for t in temps)};"] if temps else []
@@ -171,11 +172,11 @@ def _mul_bf16x2(a, b):
 def emulate(sequence: tuple[Op, ...], **inputs) -> dict[str, jnp.ndarray]:
     """Run ``sequence`` on uint32 arrays (any shape); returns every register."""
     regs = {name: _u32(x) for name, x in inputs.items()}
+    regs["zero"] = jnp.zeros_like(next(iter(regs.values())))
     for op in sequence:
         src = [regs[s] for s in op.src]
         if op.name == "prmt":
-            second = jnp.zeros_like(src[0]) if op.src[1] == "sv" else src[1]
-            out = _prmt(src[0], second, op.imm[0])
+            out = _prmt(src[0], src[1], op.imm[0])
         elif op.name == "shr":
             out = src[0] >> op.imm[0]
         elif op.name == "shl":
