@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +54,34 @@ COPY_BYTES_PER_S = H200.hbm_copy_bytes_per_s
 # CTA (also an assumption).
 TILE_OVERHEAD_S = 0.7e-6
 WG_ROWS = 64  # WGMMA M of one warpgroup
-# The MXFP4 kernel's in-register dequant (mosaic_sm90_mxfp4.py), counted from
-# its source: ~20 integer / float32 operations per weight parameter (nibble
-# split, widen, scale-row select, magnitude bits, b = 0 fix, scale multiply,
-# flush, sign, cvt; ~1 for splitting x into even / odd K), one per CUDA-core
-# lane and clock; a consumer warpgroup (128 lanes) dequantizes while its own
-# WGMMAs wait (an assumption, not measured).
-MXFP4_DEQUANT_OPS_PER_PARAM = 20
+# The MXFP4 fast kernel's dequant (mosaic_sm90_mxfp4.py, fast_dequant_tile):
+# SASS instructions per weight element of its consumer K step, counted in the
+# sm_90a cubin (k3jax.kernel_sass) and committed in the golden kernel file
+# (benchmarks/results/sm90a_kernels.json, dequant_sass_per_weight: the bit
+# sequence, the scale pairs, the x split, the bf16 tile's SMEM stores), one
+# per CUDA-core lane and clock; a consumer warpgroup (128 lanes) dequantizes
+# while its own WGMMAs wait (an assumption, not measured). Weights with a
+# scale byte outside FAST_SCALES run the exact kernel (about 5x the count):
+# the model does not cover them.
+GOLDEN_KERNELS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sm90a_kernels.json"
+MXFP4_FAST_KERNELS = {1: "grouped_matmul_mxfp4_m64", 2: "grouped_situ_glu_mxfp4_m64"}
+
+
+def _golden_dequant_sass() -> dict[int, float]:
+    """num_weights -> the largest dequant_sass_per_weight the golden file holds
+    for that MXFP4 fast kernel."""
+    configs = json.loads(GOLDEN_KERNELS.read_text())["configurations"]
+    out = {}
+    for num_weights, kernel in MXFP4_FAST_KERNELS.items():
+        found = [e["dequant_sass_per_weight"] for entries in configs.values() for e in entries
+                 if e["kernel"] == kernel and "dequant_sass_per_weight" in e]
+        if not found:
+            raise ValueError(f"{GOLDEN_KERNELS} holds no dequant_sass_per_weight for {kernel}")
+        out[num_weights] = max(found)
+    return out
+
+
+MXFP4_DEQUANT_SASS_PER_WEIGHT = _golden_dequant_sass()
 SM_LANE_OPS_PER_S = H200.sm_lane_ops_per_s
 
 
@@ -146,7 +169,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
     mxfp4=True models mosaic_sm90_mxfp4's kernel: its launch plan, weight
     tiles of 0.53125 B per parameter (packed codes + scales), and per K step
-    the dequant (MXFP4_DEQUANT_OPS_PER_PARAM on the consumer's lanes) in series
+    the dequant (MXFP4_DEQUANT_SASS_PER_WEIGHT on the consumer's lanes) in series
     with that consumer's WGMMAs."""
     sizes = np.asarray(group_sizes_G, np.int64)
     if mxfp4:
@@ -182,7 +205,7 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                        * w_bytes_per_param, 0)
     # MXFP4: each active consumer dequantizes the whole weight tile (in series with its WGMMAs).
     dequant_SW = (steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_n, 0)
-                 * MXFP4_DEQUANT_OPS_PER_PARAM / SM_LANE_OPS_PER_S) if mxfp4 else 0.0
+                 * MXFP4_DEQUANT_SASS_PER_WEIGHT[num_weights] / SM_LANE_OPS_PER_S) if mxfp4 else 0.0
     # Stores: the item's rows (split-K: f32 partials, one per weight and K range).
     o_SW = np.broadcast_to(count_W * cfg.block_n * out_bytes * num_out, x_SW.shape)
     # HBM traffic of a tile: its weights when it is its group's first item
@@ -384,7 +407,7 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
     return roofline_s(flops, nbytes)
 
 
-__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DEQUANT_OPS_PER_PARAM",
+__all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DEQUANT_SASS_PER_WEIGHT",
            "SM_LANE_OPS_PER_S", "TILE_OVERHEAD_S", "WG_ROWS", "KernelCost", "grouped_cost",
            "launch_cost", "launch_mlp_cost", "mlp_cost", "roofline_s", "swap_ab_cost",
            "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

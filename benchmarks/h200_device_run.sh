@@ -16,7 +16,10 @@
 #   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
 #                          both 256-token rows time their x-lean decode tiling
-#                          (the x_lean peer) beside the launcher's pick
+#                          (the x_lean peer) beside the launcher's pick; the
+#                          MXFP4 decode rows (16 / 256 tokens: the packed
+#                          kernel, the bf16 kernel, dequantize + XLA) run
+#                          right after the MLP rows (--mxfp4-decode-first)
 #   checks.json/.log       benchmarks.gpu_kernel_checks: correctness on the device (f32,
 #                          NaN tails, empty groups, padding, prefill tiles,
 #                          two runs bitwise equal), with ptxas's register and
@@ -76,7 +79,7 @@ done
 export K3JAX_SELFCHECK=0
 
 PYTHONPATH=. timeout 150 "$python" -m benchmarks.kernel_sweep --keep-going --time-budget 90 \
-  --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 \
+  --ep 16 --tokens 16 256 4096 16384 --tp 1 8 --mlp-tokens 8 2048 --mxfp4-decode-first \
   --json "$out/headline.json" --markdown "$out/headline.md" >"$out/headline.log" 2>&1
 headline=$?
 tail -25 "$out/headline.log"

@@ -106,7 +106,7 @@ def model_all(plan: Plan) -> dict:
                      "dense_bf16_flops": kernel_cost.DENSE_BF16_FLOPS,
                      "copy_bytes_per_s": kernel_cost.COPY_BYTES_PER_S,
                      "tile_overhead_s": kernel_cost.TILE_OVERHEAD_S, "top_k": plan.top_k,
-                     "mxfp4_dequant_ops_per_param": kernel_cost.MXFP4_DEQUANT_OPS_PER_PARAM,
+                     "mxfp4_dequant_sass_per_weight": kernel_cost.MXFP4_DEQUANT_SASS_PER_WEIGHT,
                      "sm_lane_ops_per_s": kernel_cost.SM_LANE_OPS_PER_S,
                      "num_experts": plan.num_experts},
             "grouped": grouped, "mlp": mlp}

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 from jax.sharding import AxisType, Mesh
 
+from k3jax.kernel_sass import DEQUANT_KERNELS, KStepSass, disassemble, k_step_count
 from k3jax.layout import MESH_AXES, ParallelConfig
 from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
 
@@ -110,6 +111,7 @@ class PtxasReport:
     warnings: tuple[str, ...]
     smem_bytes: int = 0          # dynamic shared memory per block requested at launch
     grid: tuple[int, ...] = ()   # blocks (x, y, z)
+    k_step: KStepSass | None = None   # the consumer K step's SASS (MXFP4 kernels only)
 
     @property
     def spill_bytes(self) -> int:
@@ -172,20 +174,34 @@ def _launch_of(folder: Path, stem: str) -> tuple[int, tuple[int, ...]]:
 @contextlib.contextmanager
 def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
     """Inside: Mosaic GPU kernels compiled by this process dump their ptxas
-    report (MOSAIC_GPU_DUMP_TO, read at compile time). Yields a function
-    returning the reports written so far, in compile order."""
-    pin_wheel_ptxas()
+    report and PTX (MOSAIC_GPU_DUMP_TO, read at compile time). Yields a
+    function returning the reports written so far, in compile order; the
+    kernels kernel_sass.DEQUANT_KERNELS names carry their K step's SASS
+    counts (k_step: the PTX through the wheel's ptxas and nvdisasm)."""
+    bin_dir = pin_wheel_ptxas().parent
     folder = tempfile.mkdtemp(prefix="k3jax-mosaic-")
-    saved = {k: os.environ.get(k) for k in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")}
+    keys = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
+    saved = {k: os.environ.get(k) for k in keys}
     os.environ["MOSAIC_GPU_DUMP_TO"] = folder
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
     os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+    counted: dict[str, KStepSass] = {}
+
+    def k_step(stem: str) -> KStepSass | None:
+        ptx = Path(folder) / f"{stem}.ptx"
+        if not DEQUANT_KERNELS.match(stem) or not ptx.exists():
+            return None
+        if stem not in counted:
+            counted[stem] = k_step_count(disassemble(ptx.read_text(), bin_dir))
+        return counted[stem]
 
     def reports() -> list[PtxasReport]:
         files = sorted(Path(folder).glob("*.ptxas"), key=lambda p: p.stat().st_mtime_ns)
         out = []
         for p in files:
             smem, grid = _launch_of(Path(folder), p.stem)
-            out.append(parse_ptxas(p.stem, p.read_text(), smem_bytes=smem, grid=grid))
+            report = parse_ptxas(p.stem, p.read_text(), smem_bytes=smem, grid=grid)
+            out.append(dataclasses.replace(report, k_step=k_step(p.stem)))
         return out
 
     try:

@@ -112,14 +112,36 @@ class CompileReport:
                     "needed_bytes": self.needed_bytes,
                     "device_memory_bytes": self.device_memory_bytes},
             "collectives": collective_table(list(self.collectives)),
-            "kernels": [{"name": k.name, "registers": k.registers, "spill_bytes": k.spill_bytes,
-                         "smem_bytes": k.smem_bytes, "grid": list(k.grid)} for k in self.kernels],
+            "kernels": [self._kernel_dict(k) for k in self.kernels],
             "peer_kernels": [_peer_dict(p) for p in self.peer_kernels],
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "target": target_summary(),
             "compile_seconds": round(self.compile_seconds, 2),
         }
+
+    @property
+    def x_planes(self) -> int:
+        """bf16 planes per x tile in the MXFP4 kernels (2 for float32 x)."""
+        return 2 if self.dtype == "float32" else 1
+
+    def dequant_sass_per_weight(self, k: PtxasReport) -> float | None:
+        """SASS instructions per weight element in a dequantizing kernel's
+        K step (k3jax.kernel_sass); None for the other kernels."""
+        return None if k.k_step is None else round(k.k_step.per_weight(self.x_planes), 3)
+
+    def _kernel_dict(self, k: PtxasReport) -> dict[str, Any]:
+        """One kernels entry; a dequantizing kernel's also holds
+        dequant_sass_per_weight and its K step's counted SASS (kernel_sass)."""
+        out: dict[str, Any] = {"name": k.name, "registers": k.registers,
+                               "spill_bytes": k.spill_bytes, "smem_bytes": k.smem_bytes,
+                               "grid": list(k.grid)}
+        if k.k_step is not None:
+            out["dequant_sass_per_weight"] = self.dequant_sass_per_weight(k)
+            out["k_step_sass"] = {"instructions": k.k_step.instructions,
+                                  "weights": k.k_step.mma_kn // self.x_planes,
+                                  "by_opcode": dict(k.k_step.by_opcode)}
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

@@ -32,14 +32,16 @@ from pathlib import Path
 
 from k3jax.aot import PtxasReport
 from k3jax.files import atomic_write
+from k3jax.kernel_sass import KStepSass
 
 CACHE_ENV = "K3JAX_TEST_CACHE"
 REPO = Path(__file__).resolve().parent.parent
 # What a kernel's compile depends on, relative to the repository.
 SOURCE_TREES = ("pallas_kernels", "benchmarks")
-SOURCE_FILES = ("k3jax/aot.py", "k3jax/kernel_ptxas.py", "k3jax/xla_options.py",
+SOURCE_FILES = ("k3jax/aot.py", "k3jax/kernel_ptxas.py", "k3jax/kernel_sass.py", "k3jax/xla_options.py",
                 "k3jax/targets/h200.txtpb", "k3jax/layout.py", "tests/compile_cache.py")
-PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cuda-nvcc", "tokamax")
+PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cuda-nvcc", "nvidia-cuda-nvdisasm",
+            "tokamax")
 
 _memory: dict[str, tuple[PtxasReport, ...]] = {}
 
@@ -71,8 +73,16 @@ def _to_json(key: str, reports: tuple[PtxasReport, ...]) -> str:
     return json.dumps({"key": key, "reports": [dataclasses.asdict(r) for r in reports]})
 
 
+def _k_step(d: dict | None) -> KStepSass | None:
+    if d is None:
+        return None
+    return KStepSass(**{**d, "nested_trips": tuple(d["nested_trips"]),
+                        "by_opcode": tuple(tuple(kv) for kv in d["by_opcode"])})
+
+
 def _from_json(text: str) -> tuple[PtxasReport, ...]:
-    return tuple(PtxasReport(**{**r, "warnings": tuple(r["warnings"]), "grid": tuple(r["grid"])})
+    return tuple(PtxasReport(**{**r, "warnings": tuple(r["warnings"]), "grid": tuple(r["grid"]),
+                                "k_step": _k_step(r.get("k_step"))})
                  for r in json.loads(text)["reports"])
 
 

@@ -182,11 +182,13 @@ def print_report(report, file=None) -> None:
     if report.kernels:
         ktable = Table(title="Mosaic GPU kernels (ptxas, sm_90a)")
         for column, justify in (("kernel", "left"), ("registers", "right"), ("spill bytes", "right"),
-                                ("SMEM bytes", "right"), ("grid", "left")):
+                                ("SMEM bytes", "right"), ("grid", "left"),
+                                ("dequant SASS / weight", "right")):
             ktable.add_column(column, justify=justify)
         for k in report.kernels:
+            per_weight = report.dequant_sass_per_weight(k)
             ktable.add_row(k.name, str(k.registers), str(k.spill_bytes), f"{k.smem_bytes:,}",
-                           "x".join(map(str, k.grid)))
+                           "x".join(map(str, k.grid)), "" if per_weight is None else f"{per_weight}")
         console.print(ktable)
     if report.peer_kernels:
         ptable = Table(title=f"Peer, not part of the layer: {report.peer_kernels[0].peer}, "

@@ -8,7 +8,7 @@ with W an ``Mxfp4Weights`` (packed_GKN uint8 [G, K/2, N], scale_GKN uint8
 [G, K/32, N], k3jax's stored layout: no load-time rearrangement).
 
 Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
-x tile [64, 128] bf16 and, per weight, the packed codes [64, block_n] uint8
+x tile [64, 128] bf16 (K-permuted, below) and, per weight, the packed codes [64, block_n] uint8
 and the scales [4, block_n] uint8: the packed bytes are all the weight
 traffic. The consumer warpgroup loads the codes as one [64, 32-column chunk]
 array in the WGMMA register layout, in which warp w holds rows 16w..16w+15 =
@@ -21,12 +21,23 @@ dequantizes them into a bf16 [128, block_n] SMEM tile of its own, fences it
 K order. Byte j of a column holds K elements 2j (low nibble) and 2j+1 (high).
 The dequant writes a 128-element K chunk's low nibbles (its even elements) to
 rows 0..63 of the bf16 tile and the high nibbles (odd) to rows 64..127, with
-no in-register interleave. x streams as uint32 words of bf16 pairs (an XLA
-bitcast, no copy); each consumer splits its x tile into even / odd halves
-(integer and / shift, 16-bit truncation, same-width bitcast) into a bf16
-[64, 128] SMEM tile in the same order (split_pairs).
+no in-register interleave. x streams in the same order: the launcher permutes
+each 128-element K chunk of x to its even elements, then its odd ones
+(k_order, one XLA transpose of x: M x K bf16, small beside the weights at
+decode), and the WGMMA reads the pipeline's x tile as it lands.
 
-Dequant: exact, the decisions of pallas_kernels.mxfp4 bit for bit (scale
+Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
+over the scale bytes, 1/16 of the packed bytes):
+  * fast (``..._mxfp4_m64``): fast_dequant_tile, pallas_kernels.mxfp4_fast's
+    bit sequence per packed register (inline PTX, mxfp4_dequant.fast_chunk;
+    the jnp emulation of the same ops in interpret mode), column chunks
+    unrolled. Exact when every scale byte is in FAST_SCALES (2..128).
+  * exact (``..._mxfp4_exact_m64``): dequant_tile below, for weights with any
+    scale byte outside FAST_SCALES (0, 1, 129..254, 255).
+Keeping the exact path out of the fast kernel's K loop matters: a per-step
+branch to it makes ptxas serialize the WGMMAs (C7519) and spill the fused tile.
+
+Exact dequant: the decisions of pallas_kernels.mxfp4 bit for bit (scale
 byte 255 -> NaN, float32 overflow -> inf, results below 2**-126 -> signed
 zero, then the exact cast to bf16). No float subnormal appears in any
 operand, so a flush-to-zero multiply (XLA:CPU's, in interpret mode) gives
@@ -58,9 +69,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import mosaic_skeleton as skeleton
 from pallas_kernels.grouped_matmul import mosaic_sm90 as sm90
-from pallas_kernels.grouped_matmul import tiling
+from pallas_kernels.grouped_matmul import mxfp4_dequant, tiling
 from pallas_kernels.grouped_matmul.schedule import schedule, x_rows
 from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Weights
+from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = 128          # K elements per pipeline step: 64 packed rows, 4 scale rows
@@ -101,7 +113,7 @@ def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [64, block_n]
     and scales uint8 [4, block_n] (SMEM) -> bf16 [128, block_n] in w_smem: the
     low nibbles (even K elements) in rows 0..63, the high nibbles (odd) in rows
-    64..127 (split_pairs puts x's K in the same order).
+    64..127 (k_order puts x's K in the same order).
 
     The codes are one [64, block_n] array in the WGMMA register layout, in
     which warp w holds rows 16w..16w+15: exactly scale block w. Each scale
@@ -127,32 +139,34 @@ def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
         w_smem[pl.ds(rows, rows), chunk] = dequant_nibbles(packed >> 4, bits)
 
 
-def split_pairs(pairs_smem, x_smem) -> None:
-    """uint32 [64, BLOCK_K/2] SMEM tile of bf16 pairs (element 2j in the low
-    half) -> bf16 [64, BLOCK_K] x_smem: x's even K elements in columns
-    0..63 (they meet the dequantized low nibbles, rows 0..63 of the weight
-    tile) and its odd ones in columns 64..127 (the high nibbles): the K order
-    the dequant needs, without a permuted copy of x in HBM."""
-    words = plgpu.load(pairs_smem, layout=plgpu.Layout.WGMMA)
-    half = BLOCK_K // 2
-    for i, bits in enumerate(((words & 0xFFFF).astype(jnp.uint16),
-                              (words >> 16).astype(jnp.uint16))):
-        x_smem[:, pl.ds(i * half, half)] = lax.bitcast_convert_type(bits, jnp.bfloat16)
+def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
+    """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk):
+    exact when every scale byte of the step is in mxfp4_fast.FAST_SCALES."""
+    rows = BLOCK_K // 2
+    cols = min(DEQUANT_COLS, block_n)
+
+    for c in range(block_n // cols):   # unrolled: no inner loop on the fast path
+        chunk = pl.ds(c * cols, cols)
+        packed = plgpu.load(packed_smem.at[:, chunk], layout=plgpu.Layout.WGMMA)
+        lo, hi = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, chunk], interpret)
+        w_smem[pl.ds(0, rows), chunk] = lo
+        w_smem[pl.ds(rows, rows), chunk] = hi
 
 
-def as_pairs(x_MK: jax.Array) -> jax.Array:
-    """bf16 [M, K] -> uint32 [M, K/2]: each word the pair (2j low, 2j + 1 high)
-    (a bitcast in XLA, no data movement)."""
+def k_order(x_MK: jax.Array) -> jax.Array:
+    """x [M, K] (K a multiple of BLOCK_K) -> the kernel's K order: in each
+    128-element chunk the even elements, then the odd ones (the order the
+    dequantized weight tile's rows have)."""
     m, k = x_MK.shape
-    return lax.bitcast_convert_type(x_MK.reshape(m, k // 2, 2), jnp.uint32)
+    return x_MK.reshape(m, k // BLOCK_K, BLOCK_K // 2, 2).swapaxes(2, 3).reshape(m, k)
 
 
 def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
-    """Per K step: ``planes`` x tiles of bf16 pairs [block_m, BLOCK_K / 2]
+    """Per K step: ``planes`` bf16 x tiles [block_m, BLOCK_K] (k_order)
     and, per weight, packed [BLOCK_K / 2, block_n] + scale [BLOCK_K / 32,
     block_n] uint8 tiles."""
     def in_specs(_first_k_step):
-        x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K // 2), lambda k: (0, k))   # bf16 pairs
+        x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K), lambda k: (0, k))
         packed_spec = plgpu.BlockSpec((BLOCK_K // 2, cfg.block_n), lambda k: (k, 0))
         scale_spec = plgpu.BlockSpec((BLOCK_K // BLOCK_SIZE, cfg.block_n), lambda k: (k, 0))
         return [x_spec] * planes + [packed_spec, scale_spec] * num_w
@@ -161,17 +175,17 @@ def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline
 
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileConfig,
-               num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype):
+               num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype,
+               fast: bool, interpret: bool):
     """Kernel body(meta_4W, *x_planes_MK, (packed_GKN, scale_GKN) * num_w, o_MN).
 
     The row-major loop (split_k = 1, tiles drain) with the weight operand
     dequantized per K step into a bf16 SMEM tile per consumer warpgroup and
-    weight."""
+    weight: by fast_dequant_tile (``fast``) or dequant_tile."""
     wg_m = cfg.wg_block_m
     scratch = {
         "o_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
         "w_smem": plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
-        "x_smem": plgpu.SMEM((cfg.num_compute_wgs * planes, wg_m, BLOCK_K), jnp.bfloat16),
     }
     if num_w == 2:  # the fused tile's gate products are staged in f32 SMEM (its epilogue)
         scratch["g_smem"] = plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), jnp.float32)
@@ -185,7 +199,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 
     def tile_body(t: skeleton.Tile):
         wg, o_gmem = t.wg, t.o_gmems[0]
-        o_smem, w_smem, x_smem = t.scratch["o_smem"], t.scratch["w_smem"], t.scratch["x_smem"]
+        o_smem, w_smem = t.scratch["o_smem"], t.scratch["w_smem"]
         lo = jnp.clip(t.offset - wg * wg_m, 0, wg_m)
         hi = jnp.clip(t.offset + t.count - wg * wg_m, 0, wg_m)
 
@@ -202,16 +216,16 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 
         def mma(_, *rest):
             x_planes, w_refs, accs = skeleton.step_operands(rest, planes, 2)
-            x_smems = [x.at[pl.ds(wg * wg_m, wg_m)] for x in x_planes]
+            x_tiles = [x.at[pl.ds(wg * wg_m, wg_m)] for x in x_planes]
 
             @pl.when(hi > lo)  # no dequant and no WGMMA for a consumer without rows
             def _issue():
-                x_tiles = [x_smem.at[wg * planes + p] for p in range(planes)]
-                for x_pairs, x_tile in zip(x_smems, x_tiles):
-                    split_pairs(x_pairs, x_tile)
                 for i, (acc, (packed_smem, scale_smem)) in enumerate(zip(accs, w_refs)):
                     tile = w_smem.at[wg * num_w + i]
-                    dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
+                    if fast:
+                        fast_dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
+                    else:
+                        dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
                     for x_tile in x_tiles[::-1]:   # lo plane (if any) first
                         plgpu.wgmma(acc, x_tile, tile)
@@ -256,13 +270,12 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
 
 def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: int) -> int:
     """Shared memory of one launch: pipeline stages (x planes + packed codes +
-    scales), the dequantized bf16 tiles (one per consumer and weight) and the
-    even/odd-split x tiles (one per consumer and plane), the output tile and
-    (fused) the f32 gate products the epilogue stages through SMEM."""
+    scales), the dequantized bf16 tiles (one per consumer and weight), the
+    output tile and (fused) the f32 gate products the epilogue stages through
+    SMEM."""
     stage = (cfg.block_m * BLOCK_K * 2 * planes
              + num_weights * (BLOCK_K // 2 + BLOCK_K // BLOCK_SIZE) * cfg.block_n)
-    dequantized = cfg.num_compute_wgs * (num_weights * BLOCK_K * cfg.block_n
-                                     + planes * cfg.wg_block_m * BLOCK_K) * 2
+    dequantized = cfg.num_compute_wgs * num_weights * BLOCK_K * cfg.block_n * 2
     out_tile = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * out_bytes
     gate_f32 = cfg.num_compute_wgs * cfg.wg_block_m * cfg.block_n * 4 if num_weights == 2 else 0
     return cfg.max_concurrent_steps * stage + dequantized + out_tile + gate_f32
@@ -326,6 +339,14 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dty
                      k_pad=tiling.round_up(k, BLOCK_K), n_pad=tiling.round_up(n, cfg.block_n))
 
 
+def needs_exact(scales: list[jax.Array]) -> jax.Array:
+    """True when any UE8M0 byte of ``scales`` (uint8 [G, K/32, N] each) is
+    outside mxfp4_fast.FAST_SCALES: the launch then runs the exact kernel.
+    One XLA reduction over the scale bytes (1/16 of the packed bytes)."""
+    lo, hi = FAST_SCALES.start, FAST_SCALES.stop - 1
+    return functools.reduce(jnp.logical_or, [jnp.any((s < lo) | (s > hi)) for s in scales])
+
+
 def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
     """(packed, scale) zero-padded to [G, k_pad/2, n_pad] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
@@ -339,7 +360,8 @@ def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax
 
 def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                 cfg: sm90.TileConfig | None, interpret):
-    """Launcher: pad, view x as bf16 pairs, build the schedule, run the kernel."""
+    """Launcher: pad, put x in the kernel's K order, build the schedule, run
+    the fast or the exact kernel."""
     m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, weights)
     out_dtype = x_MK.dtype
     if m == 0 or n == 0:
@@ -347,19 +369,27 @@ def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
     x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
-    x_planes = [as_pairs(p) for p in
+    x_planes = [k_order(p) for p in
                 (tiling.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in _pad_weight(w, launch.k_pad, launch.n_pad)]
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
-    body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg, num_rows=m,
-                      num_k_steps=launch.num_k_steps, num_n_blocks=launch.num_n_blocks,
-                      out_dtype=out_dtype)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
-    kernel = skeleton.launch(
-        body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
-        grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
-        num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_mxfp4_m{cfg.block_m}")
-    y_MN = kernel(meta_4W, *x_planes, *w_refs)
+
+    def kernel(fast: bool):
+        body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
+                          num_rows=m, num_k_steps=launch.num_k_steps,
+                          num_n_blocks=launch.num_n_blocks, out_dtype=out_dtype, fast=fast,
+                          interpret=bool(interpret))
+        variant = "mxfp4" if fast else "mxfp4_exact"
+        launched = skeleton.launch(
+            body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
+            grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
+            num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_{variant}_m{cfg.block_m}")
+        return lambda args: launched(*args)
+
+    # the fast kernel unless a scale byte is outside FAST_SCALES (module docstring)
+    y_MN = lax.cond(needs_exact(w_refs[1::2]), kernel(False), kernel(True),
+                    (meta_4W, *x_planes, *w_refs))
     return y_MN if launch.n_pad == n else y_MN[:, :n]
 
 

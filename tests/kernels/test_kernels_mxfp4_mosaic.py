@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from pallas_kernels import grouped_matmul, grouped_situ_glu, interpret_compat
+from pallas_kernels import grouped_matmul, grouped_situ_glu, interpret_compat, mxfp4_fast
 from pallas_kernels.grouped_matmul import api
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
@@ -38,9 +38,10 @@ def _decode_gkn(packed, scale) -> np.ndarray:
                        1, 2).astype(np.float64)
 
 
-def _decode_kernel(n: int):
-    """A one-CTA kernel running mk.dequant_tile on one K step: packed [64, n] and
-    scales [4, n] (TMA to SMEM) -> the decoded bf16 [128, n] tile (to HBM)."""
+def _decode_kernel(n: int, path: str = "exact"):
+    """A one-CTA kernel decoding one K step: packed [64, n] and scales [4, n]
+    (TMA to SMEM) -> the decoded bf16 [128, n] tile (to HBM), by
+    mk.dequant_tile (path "exact") or mk.fast_dequant_tile ("fast")."""
     def body(p_gmem, s_gmem, o_gmem):
         @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((64, n), jnp.uint8),
                            s_smem=plgpu.SMEM((4, n), jnp.uint8),
@@ -51,7 +52,10 @@ def _decode_kernel(n: int):
             plgpu.copy_gmem_to_smem(s_gmem, s_smem, s_bar)
             plgpu.barrier_wait(p_bar)
             plgpu.barrier_wait(s_bar)
-            mk.dequant_tile(p_smem, s_smem, w_smem, n)
+            if path == "exact":
+                mk.dequant_tile(p_smem, s_smem, w_smem, n)
+            else:
+                mk.fast_dequant_tile(p_smem, s_smem, w_smem, n, interpret=True)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(w_smem, o_gmem)
             plgpu.wait_smem_to_gmem(0)
@@ -66,7 +70,9 @@ def _decode_kernel(n: int):
 def test_in_kernel_decode_is_the_codec_bit_for_bit():
     """Every (low, high) code pair and every scale byte 0..255: bf16-subnormal
     results flushed to signed zeros, the largest finite values, overflow to
-    inf, byte 255 to NaN; rows in the kernel's K order (even K, then odd)."""
+    inf, byte 255 to NaN; rows in the kernel's K order (even K, then odd).
+    (The exact kernel's dequant_tile: what a launch with any scale byte
+    outside FAST_SCALES runs.)"""
     n = 256
     # byte (j + 3 col) mod 256 at [j, col]: all 256 bytes (every code pair) in each scale block
     packed = ((np.arange(64)[:, None] * 5 + 3 * np.arange(n)[None, :]) % 256).astype(np.uint8)
@@ -82,6 +88,25 @@ def test_in_kernel_decode_is_the_codec_bit_for_bit():
     assert nan.sum() == 4 * 32 and np.isinf(want).any()
     assert (np.signbit(want) & (want == 0)).any()                  # flushed negatives
     assert np.abs(want[~nan & ~np.isinf(want)]).max() == np.float32(1.5 * 2.0 ** 127)
+
+
+def test_fast_decode_is_the_codec_on_every_fast_pair():
+    """mk.fast_dequant_tile (the emulation interpret mode runs) on every code
+    byte under every scale byte of FAST_SCALES: slot i = block * n + col
+    takes scale FAST_SCALES[i % 127] and the 16 bytes 16 * (i // 127 % 16)
+    + row, so each fast scale meets all 256 bytes; bits equal the codec's."""
+    n = 512
+    fast_scales = np.array(mxfp4_fast.FAST_SCALES)
+    slot = np.arange(4)[:, None] * n + np.arange(n)[None, :]                   # [4, n]
+    scale = fast_scales[slot % len(fast_scales)].astype(np.uint8)
+    packed = (16 * (np.repeat(slot, 16, axis=0) // len(fast_scales) % 16)
+              + (np.arange(64) % 16)[:, None]).astype(np.uint8)              # [64, n]
+    pairs = {(int(b), int(s)) for b, s in zip(packed.ravel(), np.repeat(scale, 16, axis=0).ravel())}
+    assert len(pairs) == 256 * len(fast_scales)
+    got = np.asarray(jax.jit(_decode_kernel(n, "fast"))(packed, scale)).view(np.uint16)
+    want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), BF16, axis=0))
+    want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
 
 
 def _random_mxfp4(rng, g, k, n, lo=120, hi=134):
@@ -115,6 +140,30 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     h = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="interpret", **SITU))(
         x, wg, wu, sizes)
     kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, dg, du, sizes), sizes, tol, "fused")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
+    """Every scale byte in FAST_SCALES: the launch runs the fast kernel
+    (mk.needs_exact is False) and matches the float64 products."""
+    m, k, n, g = 70, 256, 72, 4
+    rng = np.random.default_rng(11)
+    (pg, sg), (pu, su) = (_random_mxfp4(rng, g, k, n, lo=112, hi=129) for _ in range(2))
+    sg[..., ::5] = rng.integers(2, 8, sg[..., ::5].shape)       # the smallest fast scales
+    wg, wu = (Mxfp4Weights(jnp.asarray(p), jnp.asarray(s)) for p, s in ((pg, sg), (pu, su)))
+    assert not bool(mk.needs_exact([wg.scale_GKN, wu.scale_GKN]))
+    assert bool(mk.needs_exact([wg.scale_GKN, jnp.asarray(su).at[0, 0, 0].set(129)]))
+    x = kc.normal(jax.random.key(3), (m, k), dtype, scale=0.1)
+    sizes = kc.group_pattern("sum_lt_m", m, g)
+    x = kc.poison_tail(x, sizes)
+    tol = kc.kernel_tol(dtype)
+    y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(x, wg, sizes)
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(x, _decode_gkn(pg, sg), sizes), sizes, tol,
+                             "plain")
+    h = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="interpret", **SITU))(
+        x, wg, wu, sizes)
+    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, _decode_gkn(pg, sg), _decode_gkn(pu, su),
+                                                       sizes), sizes, tol, "fused")
 
 
 def test_nan_scale_reaches_only_its_group_and_columns():

@@ -3,8 +3,9 @@
 (112 local experts; gate/up: K 3584 -> N 3072, fused; down: K 3072 -> N 3584)
 at decode (16 tokens x top-16 = 256 rows) and prefill (4096 tokens = 65536 rows).
 
-Every configuration compiles with 0 spill bytes (the fused tile's SiTU
-epilogue stages the gate products through SMEM to get there). The four are
+Every configuration compiles to two kernels (the fast one and the exact
+fallback), each with 0 spill bytes (the fused tile's SiTU epilogue stages the
+gate products through SMEM to get there). The four are
 benchmarks/compile_table.py's MXFP4 configurations (the grouped ops' MXFP4
 dispatch), compiled once per test run (tests/compile_cache.py) and held to the
 golden register file by tests/test_aot_kernels.py.
@@ -12,10 +13,19 @@ golden register file by tests/test_aot_kernels.py.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
 import pytest
 from compile_cache import kernel_reports
 
 from benchmarks import compile_table
+from pallas_kernels import mxfp4_fast
 
 pytestmark = pytest.mark.compile
 
@@ -36,13 +46,84 @@ def test_the_configurations_are_k3s_at_ep8():
                                              (LOCAL_EXPERTS, k // 32, n)] * num_w
 
 
+# The fast kernel's K step (pallas_kernels.mxfp4_fast's sequence, scale
+# pairs, SMEM round trip of the bf16 tile), counted in SASS by
+# k3jax.kernel_sass: 3.56 (down) and 4.02 (gate/up) per weight at these
+# shapes; the exact kernel's about 24. A change that makes the fast path
+# dearer fails here.
+FAST_SASS_PER_WEIGHT_MAX = 4.5
+
+
 @pytest.mark.parametrize("phase", list(TOKENS))
 @pytest.mark.parametrize("op", list(SHAPES))
 def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
+    """Two kernels a launch: the fast one and the exact one it falls back on
+    for weights with a scale byte outside FAST_SCALES."""
     found = kernel_reports(f"{op}_mxfp4 ep=8 tokens={TOKENS[phase]}")
-    assert len(found) == 1, found
-    r = found[0]
-    assert r.name.startswith(("grouped_situ_glu_mxfp4_m64", "grouped_matmul_mxfp4_m64")), r
-    assert 0 < r.registers <= 255 and 0 < r.smem_bytes <= 232_448, r
-    assert r.grid == (132, 1, 1), r                # persistent: one CTA per SM
-    assert r.spill_bytes == 0, r
+    base = "grouped_situ_glu" if op == "gate_up_situ" else "grouped_matmul"
+    by_kind = {("exact" if "_mxfp4_exact_" in r.name else "fast"): r for r in found}
+    assert len(found) == 2 and set(by_kind) == {"fast", "exact"}, found
+    assert by_kind["fast"].name.startswith(f"{base}_mxfp4_m64"), found
+    assert by_kind["exact"].name.startswith(f"{base}_mxfp4_exact_m64"), found
+    for r in found:
+        assert 0 < r.registers <= 255 and 0 < r.smem_bytes <= 232_448, r
+        assert r.grid == (132, 1, 1), r                # persistent: one CTA per SM
+        assert r.spill_bytes == 0, r
+        # the consumer K step's SASS is counted (k3jax.kernel_sass): every
+        # weight element of the step is multiplied once per x plane
+        assert r.k_step is not None and r.k_step.mma_kn == 128 * 128, r
+    fast, exact = by_kind["fast"].k_step, by_kind["exact"].k_step
+    assert fast.per_weight() <= FAST_SASS_PER_WEIGHT_MAX < exact.per_weight(), (fast, exact)
+    assert fast.nested_trips == () and dict(fast.by_opcode)["HMUL2"] == 64, fast
+
+
+def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
+    """PTX of grouped_matmul_mxfp4's fast kernel compiled deviceless for sm_90a."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax.aot import h200_mesh, ptxas_dump
+    from k3jax.layout import ParallelConfig
+    from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4
+    from pallas_kernels.mxfp4 import Mxfp4Weights
+    mesh = h200_mesh(ParallelConfig())
+    specs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in
+             [((m, k), jnp.bfloat16), ((g, k // 2, n), jnp.uint8), ((g, k // 32, n), jnp.uint8),
+              ((g,), jnp.int32)]]
+
+    def fn(x, packed, scale, sizes):
+        return mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x, Mxfp4Weights(packed, scale), sizes)
+
+    with ptxas_dump():  # the wheel's ptxas; MOSAIC_GPU_DUMP_TO is ours below
+        folder = tempfile.mkdtemp(prefix="k3jax-mxfp4-ptx-")
+        saved = os.environ.get("MOSAIC_GPU_DUMP_TO")
+        os.environ["MOSAIC_GPU_DUMP_TO"] = folder
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+                    jax.default_device(mesh.devices.flat[0]):
+                jax.jit(fn).lower(*specs).compile()
+            [ptx] = [p for p in Path(folder).glob("*.ptx") if "_exact_" not in p.name]
+            return ptx.read_text()
+        finally:
+            os.environ.pop("MOSAIC_GPU_DUMP_TO")
+            if saved is not None:
+                os.environ["MOSAIC_GPU_DUMP_TO"] = saved
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sequence_regex(sequence, key: str) -> re.Pattern:
+    """mxfp4_fast's PTX lines for ``sequence`` in order, its $N operands as
+    the registers LLVM substitutes."""
+    lines = mxfp4_fast.ptx_lines(sequence, mxfp4_fast.INPUTS[key], mxfp4_fast.OUTPUTS[key])
+    parts = [re.sub(r"\\\$\d+", r"%r\\d+", re.escape(line)) for line in lines]
+    return re.compile(r"\s*".join(parts))
+
+
+def test_kernel_ptx_holds_the_fast_sequence():
+    """One K step of a 128-column block: 4 chunks x 8 registers run
+    mxfp4_fast.SEQUENCE, 4 x 4 register columns SCALE_SEQUENCE; no exact
+    dequant in the fast kernel (its float32 flush compare, setp.lt.f32, is absent)."""
+    ptx = _mxfp4_ptx(64, 256, 128, 2)
+    assert len(_sequence_regex(mxfp4_fast.SEQUENCE, "SEQUENCE").findall(ptx)) == 32
+    assert len(_sequence_regex(mxfp4_fast.SCALE_SEQUENCE, "SCALE_SEQUENCE").findall(ptx)) == 16
+    assert "mul.rn.bf16x2" in ptx and "setp.lt.f32" not in ptx
