@@ -9,7 +9,8 @@
 #   selfcheck_T<T>.json/.log  k3jax selfcheck --tune first: every kernel configuration
 #                          of the K3 MoE layer on this GPU (tp 1, T 16 / 256 / 4096
 #                          tokens) checked against XLA (verdict, max relative
-#                          error) and its candidate tilings timed, 150 s in all;
+#                          error) and its candidate tilings timed, SELFCHECK_BUDGET
+#                          (default 120 s) with the exports;
 #                          the cache under $OUT/k3jax-cache
 #   tuned_tiles_T<T>.py    the tuned picks in tile_table.py's format (k3jax tune
 #                          --export, read back from that cache: no new timing)
@@ -32,15 +33,17 @@
 #   gpu.png                the plot, when matplotlib is there
 #
 # Each step has its own timeout, so a hang costs that step, not the run: the
-# headline gets 150 s, the checks 150 s, the sweep TIME_BUDGET (default 200 s)
-# to start configs plus 120 s to finish one. The sweep runs even when the
+# selfcheck 120 s, the headline 150 s, the checks 150 s, the sweep TIME_BUDGET
+# (default 90 s) to start configs plus 120 s to finish one: about 580 s in all. The sweep runs even when the
 # checks fail or time out: it checks every output itself.
 # gpu.json / gpu.md are rewritten after every row. Pre-flight on the CPU
 # first: python -m benchmarks.lower_check
 set -uo pipefail
 out="${OUT:?OUT must name the output folder}"
 python="${PYTHON:-python3}"
-budget="${TIME_BUDGET:-200}"
+budget="${TIME_BUDGET:-90}"
+# selfcheck + tune exports share one clock
+SELFCHECK_BUDGET="${SELFCHECK_BUDGET:-120}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 {
@@ -66,13 +69,15 @@ cat "$out/env.txt"
 export K3JAX_CACHE_DIR="$out/k3jax-cache"
 selfcheck_start=$SECONDS
 for tokens in 16 256 4096; do
-  left=$((150 - (SECONDS - selfcheck_start)))
+  left=$((SELFCHECK_BUDGET - (SECONDS - selfcheck_start)))
   [ "$left" -le 10 ] && { echo "# selfcheck: no time left for T $tokens"; break; }
   PYTHONPATH=. K3JAX_TUNE_REPEATS=10 timeout "$left" "$python" -m k3jax selfcheck --tune \
     --preset k3 --layer 1 --tokens "$tokens" --json \
     >"$out/selfcheck_T$tokens.json" 2>"$out/selfcheck_T$tokens.log"
   echo "# selfcheck --tune T $tokens exit $?"; tail -3 "$out/selfcheck_T$tokens.log"
-  PYTHONPATH=. timeout 60 "$python" -m k3jax tune --preset k3 --layer 1 --tokens "$tokens" \
+  left=$((SELFCHECK_BUDGET - (SECONDS - selfcheck_start)))
+  [ "$left" -le 5 ] && { echo "# selfcheck: no time left to export T $tokens"; break; }
+  PYTHONPATH=. timeout "$left" "$python" -m k3jax tune --preset k3 --layer 1 --tokens "$tokens" \
     --json --export "$out/tuned_tiles_T$tokens.py" >/dev/null 2>>"$out/selfcheck_T$tokens.log"
 done
 # The benchmarks below check every output themselves: no check on first use there.
