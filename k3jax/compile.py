@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.aot import (
@@ -205,12 +205,13 @@ def _cost(compiled) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class AbstractLayer:
-    """One layer built for ``parallel.num_devices`` H200s with abstract weights
-    (nothing allocated): the mesh, the Layout, the routed experts' storage, the
-    module, and the input spec x_TD [tokens, hidden] (rows sharded as
-    ``layout.x_TD`` where the row shards divide tokens, else replicated)."""
+    """One layer built on a mesh with abstract weights (nothing allocated):
+    the mesh, the Layout (resolved for the token count), the routed experts'
+    storage, the module, and the input spec x_TD [tokens, hidden] (rows
+    sharded as ``layout.x_TD`` where the row shards divide tokens, else
+    replicated)."""
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     layout: Layout
     experts: ExpertStorage
     module: nnx.Module
@@ -220,12 +221,25 @@ class AbstractLayer:
 def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                    backend: str, dtype: str, expert_dtype: str) -> AbstractLayer:
     """Check the arguments (ValueError) and build layer ``layer`` abstractly for
-    ``tokens`` global rows; layout errors raise ``k3jax.layout.LayoutError``."""
+    ``tokens`` global rows on the compile-only H200 mesh; layout errors raise
+    ``k3jax.layout.LayoutError``."""
     _check(cfg, layer, backend, dtype, expert_dtype)
+    return layer_on_mesh(cfg, parallel, layer, h200_mesh(parallel), tokens=tokens,
+                         backend=backend, dtype=dtype, expert_dtype=expert_dtype)
+
+
+def layer_on_mesh(cfg: K3Config, parallel: ParallelConfig, layer: int,
+                  mesh: Mesh | AbstractMesh, *, tokens: int, backend: str, dtype: str,
+                  expert_dtype: str) -> AbstractLayer:
+    """Layer ``layer`` built on ``mesh`` with abstract weights (nothing
+    allocated) and the input spec for ``tokens`` global rows; the Layout
+    resolved for ``tokens`` (Layout.for_tokens). MoE layers keep MXFP4
+    experts packed when ``expert_dtype`` is "mxfp4". What ``compile``,
+    ``selfcheck`` and the Triton report trace."""
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
-    mesh = h200_mesh(parallel)
-    experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
+    experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
+               else ExpertStorage.DENSE)
     layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
                          dtype=jnp.dtype(dtype))
     module = build_layer(layout, layer, mesh, source=AbstractSource())

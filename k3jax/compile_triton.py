@@ -15,13 +15,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from k3jax.compile import layer_on_mesh
 from k3jax.config import K3Config
-from k3jax.layout import ExpertStorage, ParallelConfig, abstract_mesh, make_layout
-from k3jax.modules.layer import build_layer
-from k3jax.modules.params import AbstractSource
+from k3jax.layout import ParallelConfig, abstract_mesh
 
 CAPABILITIES = (80, 89, 90, 100)
 
@@ -52,14 +49,9 @@ def layer_launches(cfg: K3Config, parallel: ParallelConfig, layer: int, *, token
     from pallas_kernels.selfcheck import gate
 
     mesh = abstract_mesh(parallel)
-    experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
-               else ExpertStorage.DENSE)
-    layout = make_layout(cfg, parallel, mesh, backend="triton", experts=experts,
-                         dtype=jnp.dtype(dtype))
-    module = build_layer(layout, layer, mesh, source=AbstractSource())
-    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
-    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
-                                sharding=NamedSharding(mesh, spec))
+    built = layer_on_mesh(cfg, parallel, layer, mesh, tokens=tokens, backend="triton",
+                          dtype=dtype, expert_dtype=expert_dtype)
+    module, x_TD = built.module, built.x_TD
     graph, state = nnx.split(module)
     jax.clear_caches()   # a launch traced before (this process) would not be collected again
     with gate.collecting() as found, jax.sharding.use_abstract_mesh(mesh):

@@ -210,5 +210,5 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 
 __all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
-           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "check_mesh", "make_mesh", "abstract_mesh",
-           "padded_rows"]
+           "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "check_mesh", "make_mesh",
+           "abstract_mesh", "padded_rows"]

@@ -16,8 +16,16 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import K3, TINY, ParallelConfig, SharedOverlap, build_layer, make_layout, make_mesh
-from k3jax import shared_overlap_choice
+from k3jax import (
+    K3,
+    TINY,
+    ParallelConfig,
+    SharedOverlap,
+    build_layer,
+    make_layout,
+    make_mesh,
+    shared_overlap_choice,
+)
 from k3jax.cli import main as cli_main
 from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
 from k3jax.plan import (

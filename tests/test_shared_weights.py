@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_grads import compare, flat_grads, named, placed_case
-
 from flax import nnx
 from jax.sharding import NamedSharding
+from test_grads import compare, flat_grads, named, placed_case
 
 from k3jax import TINY, AbstractSource, MlpMode, SharedOverlap, build_layer, make_layout, make_mesh
 from k3jax.cli import main

@@ -14,8 +14,7 @@ from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
 default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
-from k3jax.cli import (  # noqa: E402
-    bench, compile, latency, load_bench, make_checkpoint, plan, run, selfcheck, tune)
+from k3jax.cli import bench, compile, latency, load_bench, make_checkpoint, plan, run, selfcheck, tune  # noqa: E402
 
 COMMANDS = (run, make_checkpoint, plan, bench, compile, latency, load_bench, selfcheck, tune)
 

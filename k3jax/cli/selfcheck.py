@@ -133,25 +133,15 @@ def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dt
     runs even under K3JAX_SELFCHECK=0; ``strict`` (or K3JAX_SELFCHECK=strict)
     raises SelfCheckError at the first failure."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from k3jax.layout import ExpertStorage, make_layout, make_mesh
-    from k3jax.modules.layer import build_layer
-    from k3jax.modules.params import AbstractSource
+    from k3jax.compile import layer_on_mesh
+    from k3jax.layout import make_mesh
     from pallas_kernels.selfcheck import gate
 
-    mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
-    experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
-               else ExpertStorage.DENSE)
-    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
-                         dtype=jnp.dtype(dtype))
-    module = build_layer(layout, layer, mesh, source=AbstractSource())
-    spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
-    x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
-                                sharding=NamedSharding(mesh, spec))
+    built = layer_on_mesh(cfg, parallel, layer, make_mesh(parallel, pick_devices(parallel.num_devices)),
+                          tokens=tokens, backend=backend, dtype=dtype, expert_dtype=expert_dtype)
+    module, x_TD = built.module, built.x_TD
     graph, state = nnx.split(module)
     gate.reset()
     jax.clear_caches()   # a launch traced before (this process) would not ask the check again

@@ -70,8 +70,8 @@ from k3jax.ops.experts import (
 )
 from k3jax.ops.matmul import matmul
 from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
-from pallas_kernels.situ_mlp.api import situ_mlp_up
 from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
+from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
 MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL"))

@@ -54,7 +54,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, mosaic_sm90_tgmm, reference
+from pallas_kernels.grouped_matmul import blocked_tgmm, mosaic_sm90_tgmm, reference
 from pallas_kernels.situ import situ_glu_vjp_f32
 from pallas_kernels.vma import like_primal, varying_like_inputs
 
