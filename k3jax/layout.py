@@ -287,9 +287,11 @@ class Layout:
     def for_tokens(self, tokens: int) -> Layout:
         """This layout for ``tokens`` global tokens: SharedOverlap.AUTO in the
         shared expert and the dense MLP replaced by the forms the committed
-        table picks (MlpLayout.for_tokens); itself when both are concrete.
+        table picks (MlpLayout.for_tokens, with this layout's dtype); itself
+        when both are concrete.
         The modules, the planner and ``compile`` call it with their static T."""
-        shared, dense = self.shared_mlp.for_tokens(tokens), self.dense_mlp.for_tokens(tokens)
+        shared = self.shared_mlp.for_tokens(tokens, self.dtype)
+        dense = self.dense_mlp.for_tokens(tokens, self.dtype)
         if shared is self.shared_mlp and dense is self.dense_mlp:
             return self
         return dataclasses.replace(self, shared_mlp=shared, dense_mlp=dense)

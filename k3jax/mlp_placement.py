@@ -75,16 +75,20 @@ class MlpLayout:
             raise ValueError(f"MlpLayout: layer_kind must be one of {LAYER_KINDS}, "
                              f"got {self.layer_kind!r}")
 
-    def for_tokens(self, tokens: int) -> MlpLayout:
+    def for_tokens(self, tokens: int, dtype) -> MlpLayout:
         """This layout with SharedOverlap.AUTO replaced by the form (and
         scatter dtype) the committed table picks for ``tokens`` global tokens
         on this (tp, dp) (k3jax.shared_overlap_choice); itself when the form
-        is already concrete. An explicit ``ParallelConfig.shared_scatter_dtype``
-        overrides the table's scatter dtype."""
+        is already concrete. The table's bf16 scatter is taken only for
+        bfloat16 activations (``dtype``; the table models bf16 layers, and a
+        float32 layer keeps float32 sums); an explicit
+        ``ParallelConfig.shared_scatter_dtype`` overrides both."""
         if self.overlap is not SharedOverlap.AUTO:
             return self
         form, scatter = shared_overlap_choice.pick(self.parallel.tp, self.parallel.dp, tokens,
                                                    layer=self.layer_kind)
+        if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+            scatter = "float32"
         scatter = self.parallel.shared_scatter_dtype or scatter
         return dataclasses.replace(
             self, overlap=SharedOverlap(form), scatter=scatter,

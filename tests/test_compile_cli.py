@@ -33,7 +33,7 @@ def one_line_error(err: str) -> str:
 
 def test_json_has_the_issues_keys_and_the_planners_weights(capsys):
     assert main(["compile", "--preset", "tiny", *SP_EP_SHARD, "--tokens", "64",
-                 "--expert-dtype", "bfloat16", "--json"]) == 0
+                 "--expert-dtype", "bfloat16", "--shared-overlap", "ring", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"per_device_bytes", "planner_weight_bytes", "fits_h200", "collectives",
                         "kernels", "flops", "bytes_accessed", "target"}
@@ -47,8 +47,8 @@ def test_json_has_the_issues_keys_and_the_planners_weights(capsys):
     assert out["target"]["device"] == "NVIDIA H200"
     assert out["target"]["compute_capability"] == "sm_90a"
     kinds = [c["kind"] for c in out["collectives"]]
-    # routed: all-gathers + one reduce-scatter; the sharded shared expert's ring (the
-    # default --shared-overlap ring): collective-permutes
+    # routed: all-gathers + one reduce-scatter; the sharded shared expert's ring
+    # (--shared-overlap ring): collective-permutes
     assert kinds.count("all-gather") >= 2 and kinds.count("reduce-scatter") == 1
     assert "collective-permute" in kinds
     for c in out["collectives"]:

@@ -11,7 +11,7 @@ import pytest
 from k3jax.cli import main
 from k3jax.compile_grads import compile_layer_grads
 from k3jax.config import K3, TINY
-from k3jax.layout import ParallelConfig
+from k3jax.layout import ParallelConfig, SharedOverlap
 from k3jax.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
@@ -94,12 +94,12 @@ def test_the_xla_backward_has_no_dense_expansion():
 
 
 def test_the_xla_training_step_grows_linearly_in_tokens():
-    """K3 layer 1 on dp 2 x tp 4 (SP + EP, sharded shared expert): the
-    temporaries at 4x the tokens stay within 4.5x, so no buffer beyond the
+    """K3 layer 1 on dp 2 x tp 4 (SP + EP, sharded shared expert, the ring):
+    the temporaries at 4x the tokens stay within 4.5x, so no buffer beyond the
     [T * K, .] rows grows with T, and none of them is held longer than its
     scan (XLA's buffer assignment for the H200 target)."""
     parallel = ParallelConfig(dp=2, tp=4, sequence_parallel=True, expert_parallel=True,
-                              shard_shared_expert=True)
+                              shard_shared_expert=True, shared_overlap=SharedOverlap.RING)
     temps = {t: compile_layer_grads(K3, parallel, 1, tokens=t, backend="xla",
                                     expert_dtype="bfloat16").per_device_bytes["temporaries"]
              for t in (8192, 32768)}

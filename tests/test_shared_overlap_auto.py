@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,17 +27,20 @@ AUTO = [name for name in EXTRA_LAYOUTS if name.endswith("_auto")]
 
 
 def _explicit(name: str, tokens: int, layer_kind: str) -> ParallelConfig:
+    """The layout naming the form (and scatter dtype) AUTO resolves to for a
+    float32 TINY layer at ``tokens``."""
     par = EXTRA_LAYOUTS[name]
-    form, scatter = shared_overlap_choice.pick(par.tp, par.dp, tokens, layer=layer_kind)
-    return dataclasses.replace(par, shared_overlap=SharedOverlap(form),
-                               shared_scatter_dtype=scatter)
+    lay = make_layout(TINY, par).for_tokens(tokens)
+    mlp = lay.shared_mlp if layer_kind == "moe" else lay.dense_mlp
+    assert mlp.overlap is not SharedOverlap.AUTO
+    return dataclasses.replace(par, shared_overlap=mlp.overlap, shared_scatter_dtype=mlp.scatter)
 
 
 def test_for_tokens_follows_the_table_per_range():
     par = ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True,
                          shard_shared_expert=True)
     assert par.shared_overlap is SharedOverlap.AUTO           # the default
-    layout = make_layout(K3, par)
+    layout = make_layout(K3, par, dtype=jnp.bfloat16)
     assert layout.shared_mlp.overlap is SharedOverlap.AUTO
     seen = set()
     for first in shared_overlap_choice.first_tokens(8, 1):
@@ -59,9 +63,13 @@ def test_an_explicit_scatter_dtype_wins_and_explicit_forms_stay():
                          shard_shared_expert=True, shared_scatter_dtype="float32")
     tokens = next(t for t in range(1, 16385)
                   if shared_overlap_choice.pick(8, 1, t) == ("none", "bfloat16"))
-    assert make_layout(K3, par).for_tokens(tokens).shared_mlp.scatter == "float32"
+    assert make_layout(K3, par, dtype=jnp.bfloat16).for_tokens(tokens).shared_mlp.scatter == "float32"
     ring = make_layout(K3, dataclasses.replace(par, shared_overlap=SharedOverlap.RING))
     assert ring.for_tokens(tokens) is ring
+    # without the explicit dtype: bf16 for a bf16 layer, float32 sums for a float32 one
+    auto = dataclasses.replace(par, shared_scatter_dtype=None)
+    assert make_layout(K3, auto, dtype=jnp.bfloat16).for_tokens(tokens).shared_mlp.scatter == "bfloat16"
+    assert make_layout(K3, auto, dtype=jnp.float32).for_tokens(tokens).shared_mlp.scatter == "float32"
 
 
 def test_an_unresolved_auto_has_no_collectives_to_list():

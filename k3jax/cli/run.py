@@ -415,7 +415,7 @@ def _agree_kernel_backends(spec: startup.ProcessSpec, forward, state, x_dev) -> 
 
 def _describe_layout(module, is_moe: bool, tokens: int) -> str:
     """The module's layout with the shared-overlap form picked for ``tokens``."""
-    layout = module.layout.for_tokens(tokens)
     if is_moe:
-        return layout.describe()
+        return module.layout.for_tokens(tokens).describe()
+    layout = module.layout.for_tokens(tokens, module.dtype)
     return f"dense MLP: {layout.mode.value} ({layout.reason})"

@@ -174,8 +174,8 @@ class KimiMLP(nnx.Module):
     def __call__(self, x_TD: jax.Array) -> jax.Array:
         if x_TD.ndim != 2 or x_TD.shape[1] != self.layout.hidden:
             raise ValueError(f"KimiMLP: x must be [T, {self.layout.hidden}], got {list(x_TD.shape)}")
-        forward = mlp_forward(self.layout.for_tokens(x_TD.shape[0]), self.act, self.mesh,
-                              self.dtype, self.backend)
+        forward = mlp_forward(self.layout.for_tokens(x_TD.shape[0], self.dtype), self.act,
+                              self.mesh, self.dtype, self.backend)
         return forward(x_TD, self.weights())
 
 

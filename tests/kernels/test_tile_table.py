@@ -196,9 +196,12 @@ def test_a_bad_entry_is_named():
 
 def test_runtime_packages_never_import_analysis():
     """The tile choice is a table lookup: nothing under pallas_kernels/ or
-    k3jax/ imports the analysis package (the cost model never runs at trace time)."""
+    k3jax/ imports the analysis package (the cost model never runs at trace
+    time), except the ``k3jax latency`` command, whose job is to print the
+    latency model's prediction."""
+    printers = {REPO / "k3jax" / "cli" / "latency.py"}
     for pkg in ("pallas_kernels", "k3jax"):
-        for path in (REPO / pkg).rglob("*.py"):
+        for path in set((REPO / pkg).rglob("*.py")) - printers:
             for node in ast.walk(ast.parse(path.read_text())):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
