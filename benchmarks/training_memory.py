@@ -83,7 +83,8 @@ def table(raw: Path) -> str:
              "`k3jax compile --grads` (compiled without a GPU: XLA's buffer assignment for "
              "the H200 target). K3 layer 1, bf16 experts (all weights trainable). "
              "GiB = 2^30 bytes. needed = weights + activations (x, dy) + outputs (y, dx, "
-             "weight gradients) + temporaries.",
+             "weight gradients) + temporaries. The sharded shared expert runs the ring form "
+             "(`--shared-overlap ring`, the default when a record's command does not name it).",
              "",
              "| layout | backend | tokens | weights GiB | gradients GiB | temporaries GiB | "
              "needed GiB | fits H200 | temporaries / pallas (8192) | temporaries / xla (8192) "
