@@ -11,6 +11,7 @@ ptxas (pallas_kernels.triton_compile.compile_cubin).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,27 +21,24 @@ from k3jax.compile import layer_on_mesh
 from k3jax.config import K3Config
 from k3jax.layout import ParallelConfig, abstract_mesh
 
+if TYPE_CHECKING:   # triton is imported only where a kernel is compiled
+    from pallas_kernels.triton_compile import CubinReport
+
 CAPABILITIES = (80, 89, 90, 100)
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonKernelReport:
-    """One launch: ``config`` its selfcheck name, ``kernel`` the Triton
-    kernel, the compiler's registers / spill bytes / shared bytes at
-    ``capability``, ``tiles`` (block m x n x k, warps, stages)."""
+def tiles_text(tiles) -> str:
+    """A TritonTiles as the report prints it: block m x n x k, warps, stages."""
+    return (f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}, {tiles.num_warps} warps, "
+            f"{tiles.num_stages} stages")
 
-    config: str
-    kernel: str
-    capability: int
-    registers: int
-    spill_store_bytes: int
-    spill_load_bytes: int
-    shared_bytes: int
-    smem_limit: int
-    tiles: str
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+def kernel_json(r: CubinReport) -> dict:
+    """One launch's triton_compile.CubinReport as JSON: ``config`` its
+    selfcheck name, the compiler's registers / spill / shared bytes, the SMEM
+    limit at its capability and its tiles."""
+    return {**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "tiles"},
+            "smem_limit": r.smem_limit, "tiles": tiles_text(r.tiles)}
 
 
 def layer_launches(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
@@ -59,8 +57,9 @@ def layer_launches(cfg: K3Config, parallel: ParallelConfig, layer: int, *, token
     return found
 
 
-def compile_launch(config, capability: int) -> TritonKernelReport:
-    """Plan one collected launch as the Triton dispatch does and compile it."""
+def compile_launch(config, capability: int) -> CubinReport:
+    """Plan one collected launch as the Triton dispatch does and compile it:
+    its triton_compile.CubinReport (``config`` the selfcheck name)."""
     from pallas_kernels import triton_compile
     from pallas_kernels.grouped_matmul import triton_sm80
 
@@ -71,18 +70,11 @@ def compile_launch(config, capability: int) -> TritonKernelReport:
                               x_dtype=config.x_dtype, fused=fused, mxfp4=mxfp4, **act)
     kernel_config = triton_compile.KernelConfig(config.name, launch, jnp.dtype(config.x_dtype),
                                                 mxfp4)
-    r = triton_compile.compile_cubin(kernel_config, capability)
-    t = r.tiles
-    return TritonKernelReport(config=config.name, kernel=r.kernel, capability=capability,
-                              registers=r.registers, spill_store_bytes=r.spill_store_bytes,
-                              spill_load_bytes=r.spill_load_bytes, shared_bytes=r.shared_bytes,
-                              smem_limit=r.smem_limit,
-                              tiles=f"{t.block_m}x{t.block_n}x{t.block_k}, {t.num_warps} warps, "
-                                    f"{t.num_stages} stages")
+    return triton_compile.compile_cubin(kernel_config, capability)
 
 
 def compile_layer_triton(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
-                         dtype: str, expert_dtype: str, capability: int) -> list[TritonKernelReport]:
+                         dtype: str, expert_dtype: str, capability: int) -> list[CubinReport]:
     """Every Triton launch of the layer, compiled for sm_``capability``."""
     if capability not in CAPABILITIES:
         raise ValueError(f"compute capability {capability} is not one of {CAPABILITIES}")
@@ -94,20 +86,20 @@ def compile_layer_triton(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
 @dataclasses.dataclass(frozen=True)
 class TritonCompileReport:
     """``k3jax compile --backend triton``'s result: the layer, its layout and
-    every Triton launch's TritonKernelReport."""
+    every Triton launch's triton_compile.CubinReport."""
 
     layer: int
     tokens: int
     parallel: ParallelConfig
     capability: int
-    kernels: tuple[TritonKernelReport, ...]
+    kernels: tuple[CubinReport, ...]
 
     def to_json(self) -> str:
         import json
         return json.dumps({"layer": self.layer, "tokens": self.tokens, "backend": "triton",
                            "layout": self.parallel.describe(),
                            "compute_capability": self.capability,
-                           "kernels": [k.to_json() for k in self.kernels]}, indent=1)
+                           "kernels": [kernel_json(k) for k in self.kernels]}, indent=1)
 
 
 def print_report(report: TritonCompileReport, file=None) -> None:
@@ -125,7 +117,7 @@ def print_report(report: TritonCompileReport, file=None) -> None:
                             ("shared bytes (limit)", "right")):
         table.add_column(column, justify=justify)
     for k in report.kernels:
-        table.add_row(k.config, k.kernel, k.tiles, str(k.registers),
+        table.add_row(k.config, k.kernel, tiles_text(k.tiles), str(k.registers),
                       f"{k.spill_store_bytes}/{k.spill_load_bytes}",
                       f"{k.shared_bytes:,} ({k.smem_limit:,})")
     console.print(table)
