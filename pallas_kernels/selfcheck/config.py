@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 import pathlib
 
 import jax
@@ -179,3 +180,17 @@ def environment() -> dict[str, str]:
             "driver": driver_version(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "kernel_sources": source_hash()}
+
+
+def positive_env(name: str, default, parse, expected: str):
+    """``parse(os.environ[name])`` (``default`` when unset or empty); a value
+    that does not parse, or is not > 0, raises ValueError naming the variable
+    and ``expected``."""
+    text = os.environ.get(name, "")
+    try:
+        value = parse(text) if text else default
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected {expected}") from None
+    if not value > 0:
+        raise ValueError(f"{name}={text!r}: expected {expected}")
+    return value

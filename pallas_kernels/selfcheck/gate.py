@@ -45,6 +45,7 @@ from pallas_kernels.selfcheck.config import (
     environment,
     grouped_config,
     mlp_config,
+    positive_env,
 )
 
 MODE_ENV = "K3JAX_SELFCHECK"
@@ -123,14 +124,7 @@ def force_tune(value: bool | None) -> None:
 
 
 def timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected seconds > 0") from None
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected seconds > 0")
-    return value
+    return positive_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, float, "seconds > 0")
 
 
 def note(line: str) -> None:

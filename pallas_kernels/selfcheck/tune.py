@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.check import run_check
-from pallas_kernels.selfcheck.config import MXFP4, KernelConfig, describe_tiles
+from pallas_kernels.selfcheck.config import MXFP4, KernelConfig, describe_tiles, positive_env
 
 TUNE_ENV = "K3JAX_AUTOTUNE"
 REPEATS_ENV = "K3JAX_TUNE_REPEATS"
@@ -37,14 +37,7 @@ def requested() -> bool:
 
 
 def repeats() -> int:
-    text = os.environ.get(REPEATS_ENV, "")
-    try:
-        value = int(text) if text else DEFAULT_REPEATS
-    except ValueError:
-        raise ValueError(f"{REPEATS_ENV}={text!r}: expected a positive integer") from None
-    if value < 1:
-        raise ValueError(f"{REPEATS_ENV}={text!r}: expected a positive integer")
-    return value
+    return positive_env(REPEATS_ENV, DEFAULT_REPEATS, int, "a positive integer")
 
 
 def table_key(config: KernelConfig) -> tuple:
