@@ -87,8 +87,8 @@ H200 = GpuHardware(
         "hbm_copy_bytes_per_s": "HBM copy 4.0-4.3 TB/s (public figures; 4.8 TB/s is the data sheet's "
                                 "peak), not measured by this project",
         "nvlink_bus_bytes_per_s": "NCCL all-gather / reduce-scatter bus bandwidth on 8 GPUs over "
-                                  "NVLink 4, about 360-370 GB/s on 8 x H100 (nccl-tests issues 212 "
-                                  "and 326, nccl issue 1281); the H200 has the same NVLink 4",
+                                  "NVLink 4, about 360-370 GB/s on 8 x H100 (NVIDIA/nccl-tests#212, "
+                                  "#326, NVIDIA/nccl#1281); the H200 has the same NVLink 4",
         "nvlink_peak_bytes_per_s": "NVLink 4: 900 GB/s per GPU both directions together, so 450 GB/s "
                                    "each way (data sheet)",
         "hbm_peak_bytes_per_s": "4.8 TB/s HBM3e (NVIDIA H200 data sheet)",
