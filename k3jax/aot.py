@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 from jax.sharding import AxisType, Mesh
 
-from k3jax.kernel_sass import DEQUANT_KERNELS, KStepSass, disassemble, k_step_count
+from k3jax.kernel_sass import DEQUANT_KERNELS, KStepSass, NoKStepLoop, disassemble, k_step_count
 from k3jax.layout import MESH_AXES, ParallelConfig
 from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
 
@@ -177,7 +177,8 @@ def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
     report and PTX (MOSAIC_GPU_DUMP_TO, read at compile time). Yields a
     function returning the reports written so far, in compile order; the
     kernels kernel_sass.DEQUANT_KERNELS names carry their K step's SASS
-    counts (k_step: the PTX through the wheel's ptxas and nvdisasm)."""
+    counts (k_step: the PTX through the wheel's ptxas and nvdisasm; None
+    where the cubin has no K-step loop, kernel_sass.NoKStepLoop)."""
     bin_dir = pin_wheel_ptxas().parent
     folder = tempfile.mkdtemp(prefix="k3jax-mosaic-")
     keys = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_PTX")
@@ -185,14 +186,17 @@ def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
     os.environ["MOSAIC_GPU_DUMP_TO"] = folder
     os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
     os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
-    counted: dict[str, KStepSass] = {}
+    counted: dict[str, KStepSass | None] = {}
 
     def k_step(stem: str) -> KStepSass | None:
         ptx = Path(folder) / f"{stem}.ptx"
         if not DEQUANT_KERNELS.match(stem) or not ptx.exists():
             return None
         if stem not in counted:
-            counted[stem] = k_step_count(disassemble(ptx.read_text(), bin_dir))
+            try:
+                counted[stem] = k_step_count(disassemble(ptx.read_text(), bin_dir))
+            except NoKStepLoop:
+                counted[stem] = None
         return counted[stem]
 
     def reports() -> list[PtxasReport]:

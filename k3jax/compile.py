@@ -53,9 +53,11 @@ from k3jax.aot import (
 from k3jax.config import K3Config
 from k3jax.hlo_schedule import ScheduledCollective, collective_schedule, collective_table
 from k3jax.kernel_ptxas import PeerKernel, grouped_launches, tokamax_peer_reports
+from k3jax.kernel_sass import DEQUANT_KERNELS
 from k3jax.layout import ExpertStorage, Layout, ParallelConfig, make_layout
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.plan import EXPERT_DTYPES, WEIGHT_DTYPES, model_bytes, plan_layer_bytes
+from pallas_kernels.selfcheck import gate
 
 BACKENDS = ("xla", "pallas")
 BYTE_KINDS = ("weights", "activations", "outputs", "temporaries")
@@ -136,6 +138,8 @@ class CompileReport:
         out: dict[str, Any] = {"name": k.name, "registers": k.registers,
                                "spill_bytes": k.spill_bytes, "smem_bytes": k.smem_bytes,
                                "grid": list(k.grid)}
+        if DEQUANT_KERNELS.match(k.name) and k.k_step is None:
+            out["dequant_sass_per_weight"] = None   # no K-step loop in the cubin to count
         if k.k_step is not None:
             out["dequant_sass_per_weight"] = self.dequant_sass_per_weight(k)
             out["k_step_sass"] = {"instructions": k.k_step.instructions,
@@ -287,7 +291,10 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD), compiler_options=options)
 
     t0 = time.perf_counter()
-    with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    # gate.collecting: the check on first use cannot run these kernels here (no GPU); without
+    # it, every launch would fail its check and trace its XLA fallback instead
+    with (ptxas_dump() as reports, gate.collecting(),
+          jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
         traced = fn.trace(state, x_TD)
         compiled = traced.lower().compile()
         kernels = tuple(reports())

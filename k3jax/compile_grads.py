@@ -46,6 +46,7 @@ from k3jax.config import K3Config
 from k3jax.grads import grad_program, param_path, split_trainable
 from k3jax.hlo_schedule import collective_schedule
 from k3jax.layout import ExpertStorage, ParallelConfig
+from pallas_kernels.selfcheck import gate
 
 MXFP4_X_GRADIENT = {
     "xla": "blocked scan of dy @ W[g]^T, one active expert dequantized at a time "
@@ -93,7 +94,8 @@ def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, 
     _, params, frozen = split_trainable(module)
 
     t0 = time.perf_counter()
-    with ptxas_dump() as reports, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with (ptxas_dump() as reports, gate.collecting(),   # no check on first use: as compile_layer
+          jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
         traced = grad_program(module).trace(params, frozen, x_TD, x_TD)
         compiled = traced.lower().compile(compiler_options=options)
         kernels = tuple(reports())

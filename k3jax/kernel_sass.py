@@ -63,6 +63,11 @@ class SassParseError(ValueError):
     cannot be read off its counter."""
 
 
+class NoKStepLoop(SassParseError):
+    """No loop holds an HGMMA: the launch's K steps and tiles are few enough
+    that the compiler left none (a small model's single K step)."""
+
+
 def disassemble(ptx: str, bin_dir: Path, arch: str = "sm_90a") -> str:
     """PTX text -> ``nvdisasm -c`` of the cubin the wheel's ptxas builds."""
     with tempfile.TemporaryDirectory(prefix="k3jax-sass-") as tmp:
@@ -263,7 +268,7 @@ def k_step_count(sass: str) -> KStepSass:
     with_mma = [(a, b) for a, b in found
                 if any(opcode(i).startswith("HGMMA") for i in instructions[a:b + 1])]
     if not with_mma:
-        raise SassParseError("no loop holds an HGMMA")
+        raise NoKStepLoop("no loop holds an HGMMA")
     first, last = min(with_mma, key=lambda ab: ab[1] - ab[0])
     weight = [1] * (last - first + 1)
     trips = []
@@ -288,5 +293,6 @@ def k_step_count(sass: str) -> KStepSass:
                      loop_instructions=every)
 
 
-__all__ = ["DEQUANT_KERNELS", "NOT_DEQUANT", "ON_FAST_PATH", "KStepSass", "SassParseError",
+__all__ = ["DEQUANT_KERNELS", "NOT_DEQUANT", "ON_FAST_PATH", "KStepSass", "NoKStepLoop",
+           "SassParseError",
            "disassemble", "k_step_count", "loops", "opcode", "parse", "trip_count"]

@@ -18,7 +18,8 @@ from k3jax.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
 pytestmark = pytest.mark.tiers(
-    compile=["test_json_has_the_issues_keys_and_the_planners_weights", "test_tables_for_the_dense_layer"],
+    compile=["test_json_has_the_issues_keys_and_the_planners_weights", "test_tables_for_the_dense_layer",
+             "test_pallas_kernels_are_compiled_with_the_check_on_first_use_on"],
     integration=["test_the_cli_on_a_cpu_host_prints_no_plugin_traceback"])
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +56,28 @@ def test_json_has_the_issues_keys_and_the_planners_weights(capsys):
         assert set(c) >= {"kind", "bytes", "group", "async", "compute_between"}
         assert c["group"] == 8 and c["bytes"] > 0
         assert set(c["compute_between"]) == {"ops", "flops"}
+
+
+def test_pallas_kernels_are_compiled_with_the_check_on_first_use_on(capsys):
+    """The default K3JAX_SELFCHECK (the suite runs with it off): the check
+    cannot run a GPU kernel on this host, so compile must not ask it, or every
+    launch would trace its XLA fallback and the report would hold no kernel."""
+    from pallas_kernels.selfcheck import gate
+    gate.reset()
+    gate.force_mode("1")
+    try:
+        assert main(["compile", "--preset", "tiny", "--tokens", "64", "--backend", "pallas",
+                     "--expert-dtype", "mxfp4", "--json"]) == 0
+        records = gate.records()
+    finally:
+        gate.force_mode(None)
+        gate.reset()
+    captured = capsys.readouterr()
+    kernels = {k["name"].rsplit("_", 1)[0]: k for k in json.loads(captured.out)["kernels"]}
+    assert {"grouped_situ_glu_mxfp4_m64", "grouped_matmul_mxfp4_m64"} <= set(kernels), kernels
+    for name in ("grouped_situ_glu_mxfp4_m64", "grouped_matmul_mxfp4_m64"):
+        assert kernels[name]["dequant_sass_per_weight"] is None   # TINY: one K step, no loop
+    assert records == [] and "failed its check" not in captured.err
 
 
 def test_tables_for_the_dense_layer(capsys):
