@@ -11,8 +11,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.host import Workers
+from k3jax.checkpoint.pipeline import Staging, local_blocks
 from k3jax.checkpoint.reader import CheckpointReader
-from k3jax.checkpoint.source import CheckpointSource, local_blocks
+from k3jax.checkpoint.source import CheckpointSource
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
 from k3jax.modules.params import ParamDecl
@@ -57,26 +58,10 @@ def load_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequen
     headers of every tensor of every layer are checked before any data is
     read, and one progress bar (bytes) covers all of them. A checkpoint
     problem in any layer raises before any module is returned."""
-    if mxfp4 not in ("packed", "dequantize"):
-        raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
-    layers = list(layers)
-    if not layers:
-        raise ValueError("load_layers: no layers given")
-    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
-    mesh = make_mesh(parallel) if mesh is None else mesh
-    pool = Workers(workers)
-    plans = []
-    for layer in layers:
-        source = CheckpointSource(reader, layer, workers=pool)
-        experts = ExpertStorage.DENSE
-        if source.experts_are_mxfp4:
-            experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
-        layout = make_layout(reader.config, parallel, mesh, backend=backend, experts=experts,
-                             dtype=dtype)
-        decls = layer_decls(layout, layer)
-        source.check(decls)
-        plans.append((layer, layout, decls, source))
+    reader, layers, mesh = _open(checkpoint, layers, parallel, mesh, mxfp4)
+    pool, staging = Workers(workers), Staging()
     try:
+        plans = _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging)
         if not progress:
             return _build(plans, mesh, None)
         from tqdm import tqdm
@@ -88,6 +73,54 @@ def load_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequen
             return _build(plans, mesh, bar.update)
     finally:
         pool.close()
+        staging.clear()
+
+
+def read_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequence[int],
+                parallel: ParallelConfig = ParallelConfig(), mesh=None, *,
+                dtype=jnp.float32, mxfp4: Mxfp4Mode = "packed",
+                workers: int | None = None) -> int:
+    """The host side of ``load_layers`` alone: every block this process's
+    devices would hold is read, checked and dropped exactly as loading does
+    (headers first, the read-ahead thread, the worker pool, the staging
+    buffers), and nothing is placed on a device. Returns the bytes read.
+    ``k3jax load-bench`` times it as the loader's host-side peer: on an
+    accelerator the device work (transfer, transposes) runs beside it."""
+    reader, layers, mesh = _open(checkpoint, layers, parallel, mesh, mxfp4)
+    pool, staging = Workers(workers), Staging()
+    try:
+        return sum(source.read_blocks(decls, mesh) for _, _, decls, source in
+                   _plan(reader, layers, parallel, mesh, dtype, "xla", mxfp4, pool, staging))
+    finally:
+        pool.close()
+        staging.clear()
+
+
+def _open(checkpoint, layers, parallel, mesh, mxfp4):
+    """(reader, layers as a list, mesh), the arguments checked."""
+    if mxfp4 not in ("packed", "dequantize"):
+        raise ValueError(f"mxfp4 must be 'packed' or 'dequantize', got {mxfp4!r}")
+    layers = list(layers)
+    if not layers:
+        raise ValueError("no layers given")
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    return reader, layers, make_mesh(parallel) if mesh is None else mesh
+
+
+def _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging) -> list:
+    """[(layer, layout, decls, source)], every tensor's header checked."""
+    plans = []
+    for layer in layers:
+        source = CheckpointSource(reader, layer, workers=pool, staging=staging)
+        experts = ExpertStorage.DENSE
+        if source.experts_are_mxfp4:
+            experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
+        layout = make_layout(reader.config, parallel, mesh, backend=backend, experts=experts,
+                             dtype=dtype)
+        decls = layer_decls(layout, layer)
+        source.check(decls)
+        plans.append((layer, layout, decls, source))
+    return plans
 
 
 def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP | KimiMoE]:

@@ -1,156 +1,43 @@
 """CheckpointSource: fills module parameters straight from checkpoint slices.
 
-Each parameter is assembled by ``place_blocks``: for every distinct device
-block this process holds, ``_read_block`` reads exactly that block's region
-of the stored tensors into one host buffer in the STORED orientation
-([out, in] per weight, experts stacked, zero padding written): each stored
-piece (one expert's slice, one tensor's slice) is read once, straight into
-its place, by a pool of worker threads (pieces of one block in parallel, a
-large piece split into chunks), and checked there (NaN / inf on the bits,
-MXFP4 scales). The block goes to its devices without a host copy, and the
-transpose to the parameter's [in, out] orientation runs on the device. With
-``read_ahead`` a thread reads the blocks in the order they will be placed,
-so reading overlaps the transfer and transposes of the block before (and,
-on an accelerator, device_put and the transposes run asynchronously); at
-most two blocks are on the host at a time. No process ever materialises a
-whole layer, nor even its whole share of one parameter.
+Each parameter is assembled by ``pipeline.place_blocks``: for every
+distinct device block this process holds, ``_read_block`` reads exactly that
+block's region of the stored tensors into one host buffer in the STORED
+orientation ([out, in] per weight, experts stacked, zero padding written):
+each stored piece (one expert's slice, one tensor's slice) is read once,
+straight into its place, by a pool of worker threads (pieces of one block in
+parallel, a large piece split into chunks), and checked there (NaN / inf on
+the bits, MXFP4 scales). The block goes to its devices without a host copy,
+and the transpose to the parameter's [in, out] orientation runs on the
+device. With ``read_ahead`` a thread reads the blocks in the order they will
+be placed, into reused staging buffers where the block is transposed (the
+pipeline module says how reading overlaps the device work). No process ever
+materialises a whole layer, nor even its whole share of one parameter.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import math
-import queue
-import threading
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.host import Workers, aligned_empty, first_nonfinite
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
+from k3jax.checkpoint.pipeline import (
+    InFlight,
+    Prefetcher,
+    Staging,
+    block_key,
+    local_blocks,
+    place_blocks,
+)
 from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
 from pallas_kernels.mxfp4 import BLOCK_SIZE, SCALE_NAN, dequant_numpy, validate_scales
-
-
-def local_blocks(shape: Sequence[int], sharding: NamedSharding
-                 ) -> list[tuple[tuple[slice, ...], list[jax.Device]]]:
-    """The distinct blocks of ``shape`` that this process's devices hold under
-    ``sharding``: (index, the devices holding it)."""
-    shape = tuple(shape)
-    groups: dict[tuple, tuple[tuple[slice, ...], list[jax.Device]]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        key = tuple(s.indices(n) for s, n in zip(index, shape))
-        groups.setdefault(key, (index, []))[1].append(device)
-    return list(groups.values())
-
-
-def _block_key(index, shape) -> tuple:
-    return tuple(s.indices(n) for s, n in zip(index, shape))
-
-
-@functools.partial(jax.jit, inline=True)
-def swap_last_axes(x):
-    """[..., a, b] -> [..., b, a] where ``x`` lies (the loader's on-device transpose)."""
-    return jnp.swapaxes(x, -1, -2)
-
-
-class _InFlight:
-    """The host block whose transfer may still run, and its device arrays;
-    ``on_drop()``, when set, is called each time a held block is dropped."""
-
-    def __init__(self):
-        self.block: np.ndarray | None = None
-        self.arrays: list[jax.Array] = []
-        self.on_drop: Callable[[], None] | None = None
-
-    def replace(self, block: np.ndarray | None, arrays: list[jax.Array]) -> None:
-        """Wait for the previous block's device work, drop it, hold the new one."""
-        if self.arrays:
-            jax.block_until_ready(self.arrays)   # copied (or transposed) before it is dropped
-        dropped = self.block is not None
-        self.block, self.arrays = block, arrays
-        gc.collect(0)   # jax drops its reference to a copied host block in a gc hook (jax#14882)
-        if dropped and self.on_drop is not None:
-            self.on_drop()
-
-
-class _Prefetcher:
-    """Reads the blocks of a plan ((key, read arguments) in the order they
-    will be placed) on one thread, ahead of the caller: at most ``slots``
-    blocks are read and not yet released. ``take(key)`` returns the next
-    block (re-raising the thread's error); ``release()`` frees a slot."""
-
-    def __init__(self, read_block: Callable[..., np.ndarray], plan: list, slots: int = 2):
-        self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(slots)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(read_block, plan), daemon=True,
-                                        name="k3jax-prefetch")
-        self._thread.start()
-
-    def _run(self, read_block, plan) -> None:
-        for key, args in plan:
-            while not self._slots.acquire(timeout=0.1):
-                if self._stop.is_set():
-                    return
-            if self._stop.is_set():
-                return
-            try:
-                self._queue.put((key, read_block(*args)))
-            except BaseException as e:   # handed to the caller, which raises it
-                self._queue.put((key, e))
-                return
-
-    def take(self, key) -> np.ndarray:
-        got, value = self._queue.get()
-        if isinstance(value, BaseException):
-            raise value
-        if got != key:
-            raise RuntimeError(f"checkpoint loader: block {got} was read ahead of {key}")
-        return value
-
-    def release(self) -> None:
-        self._slots.release()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
-                 transpose: bool = False, in_flight: _InFlight | None = None) -> jax.Array:
-    """``jax.make_array_from_callback(shape, sharding, read)``, one block at a
-    time; ``read(index)`` gives the block with its last two axes swapped when
-    ``transpose`` (swapped back on the device).
-
-    Each distinct block among this process's devices is read once and put on
-    the devices that hold it; its device work is awaited (and the host block
-    dropped) after the NEXT block is read, so host memory beyond the device
-    buffers peaks near two blocks. ``in_flight`` carries that last block
-    across parameters (the caller calls ``in_flight.replace(None, [])`` at
-    the end); without it, the last block is awaited here. (make_array_from_callback
-    keeps every local block of the parameter on the host until all are read,
-    and reads a block once per device when it is replicated over a mesh axis.)"""
-    shape = tuple(shape)
-    own = in_flight is None
-    in_flight = _InFlight() if own else in_flight
-    arrays = []
-    for index, devices in local_blocks(shape, sharding):
-        block = read(index)
-        placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
-        if transpose:
-            placed = [swap_last_axes(a) for a in placed]
-        in_flight.replace(block, placed)
-        arrays += placed
-        del block, placed
-    if own:
-        in_flight.replace(None, [])
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 class CheckpointSource:
@@ -158,10 +45,13 @@ class CheckpointSource:
 
     ``on_block(nbytes)``, when given, is called after each device block is
     read. ``workers`` (default: a pool of one thread per core) read the
-    pieces of a block; call ``close()`` after the last parameter."""
+    pieces of a block; ``staging`` (default: its own) holds the reused
+    buffers of the blocks read ahead that are transposed on the devices.
+    Call ``close()`` after the last parameter."""
 
     def __init__(self, reader: CheckpointReader, layer: int,
-                 on_block: Callable[[int], None] | None = None, workers: Workers | None = None):
+                 on_block: Callable[[int], None] | None = None, workers: Workers | None = None,
+                 staging: Staging | None = None):
         """Raises CheckpointError for a layer index out of range."""
         cfg = reader.config
         if not 0 <= layer < cfg.num_hidden_layers:
@@ -175,8 +65,10 @@ class CheckpointSource:
         self.on_block = on_block
         self._own_workers = workers is None
         self.workers = Workers() if workers is None else workers
-        self._in_flight = _InFlight()
-        self._prefetch: _Prefetcher | None = None
+        self._own_staging = staging is None
+        self.staging = Staging() if staging is None else staging
+        self._in_flight = InFlight()
+        self._prefetch: Prefetcher | None = None
         self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
 
     @property
@@ -197,18 +89,39 @@ class CheckpointSource:
         """Start reading the blocks of ``decls`` (checked, in the order they
         will be asked for, on ``mesh``) on a thread, so that reading overlaps
         the transfer and transposes of the blocks before; at most two host
-        blocks at a time."""
+        blocks at a time, those to be transposed in staging buffers."""
         plan = []
         for decl in decls:
+            ref = self.tensors[decl.name]
             sharding = NamedSharding(mesh, decl.spec)
             for index, _ in local_blocks(decl.shape, sharding):
-                plan.append(((decl.name, _block_key(index, decl.shape)),
-                             (decl, self.tensors[decl.name], self._stored[decl.name], index)))
-        self._prefetch = _Prefetcher(self._read_counted, plan)
+                nbytes = (math.prod(len(range(*s.indices(n))) for s, n in zip(index, decl.shape))
+                          * np.dtype(decl.dtype).itemsize)
+                plan.append(((decl.name, block_key(index, decl.shape)), nbytes, ref.transpose,
+                             (decl, ref, self._stored[decl.name], index)))
+        self._prefetch = Prefetcher(self._read_counted, plan, self.staging)
         self._in_flight.on_drop = self._prefetch.release
 
-    def _read_counted(self, decl, ref, stored, index) -> np.ndarray:
-        block = self._read_block(decl, ref, stored, index)
+    def read_blocks(self, decls: Sequence[ParamDecl], mesh) -> int:
+        """Read every block of ``decls`` on ``mesh`` as ``read_ahead`` and
+        placing would (same thread, workers, checks and staging buffers),
+        drop each, and close: the host side of a load alone. Returns the
+        bytes read."""
+        total = 0
+        try:
+            self.read_ahead(decls, mesh)
+            for decl in decls:
+                for index, _ in local_blocks(decl.shape, NamedSharding(mesh, decl.spec)):
+                    block = self._prefetch.take((decl.name, block_key(index, decl.shape)))
+                    total += block.nbytes
+                    self._prefetch.release(block)
+        finally:
+            self.close()
+        return total
+
+    def _read_counted(self, decl, ref, stored, index, into: np.ndarray | None = None
+                      ) -> np.ndarray:
+        block = self._read_block(decl, ref, stored, index, into)
         if self.on_block is not None:
             self.on_block(block.nbytes)
         return block
@@ -221,14 +134,14 @@ class CheckpointSource:
 
         def read(index):
             if self._prefetch is not None:
-                return self._prefetch.take((decl.name, _block_key(index, decl.shape)))
+                return self._prefetch.take((decl.name, block_key(index, decl.shape)))
             return self._read_counted(decl, ref, stored, index)
         return place_blocks(decl.shape, sharding, read, transpose=ref.transpose,
                             in_flight=self._in_flight)
 
     def close(self) -> None:
         """Wait for the device work of the last block and drop it; stop the
-        workers when this source made them."""
+        workers and free the staging buffers when this source made them."""
         try:
             if self._prefetch is not None:
                 self._prefetch.close()
@@ -238,6 +151,8 @@ class CheckpointSource:
             self._in_flight.on_drop = None
             if self._own_workers:
                 self.workers.close()
+            if self._own_staging:
+                self.staging.clear()
 
     # -- validation -------------------------------------------------------------
     def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
@@ -278,10 +193,12 @@ class CheckpointSource:
         return stored
 
     # -- reading one device block ------------------------------------------------
-    def _read_block(self, decl: ParamDecl, ref: TensorRef, stored: dict, index) -> np.ndarray:
+    def _read_block(self, decl: ParamDecl, ref: TensorRef, stored: dict, index,
+                    into: np.ndarray | None = None) -> np.ndarray:
         """The block ``index`` of ``decl``, with its last two axes swapped when
         ``ref.transpose`` (the stored [out, in] orientation), as one aligned
-        host array; padding entries are zero."""
+        host array (a view of the aligned uint8 buffer ``into`` when given,
+        else fresh); padding entries are zero."""
         ranges = [range(*s.indices(n)) for s, n in zip(index, decl.shape)]
         nd = len(ranges)
 
@@ -290,8 +207,14 @@ class CheckpointSource:
             if ref.transpose:
                 items[-2:] = items[-2:][::-1]
             return items
-        out = aligned_empty(host([len(r) for r in ranges]), decl.dtype,
-                            zero=decl.padding is not None)
+        shape = host([len(r) for r in ranges])
+        if into is None:
+            out = aligned_empty(shape, decl.dtype, zero=decl.padding is not None)
+        else:
+            out = into[:math.prod(shape) * np.dtype(decl.dtype).itemsize].view(decl.dtype)
+            out = out.reshape(shape)
+            if decl.padding is not None:
+                out.fill(0)
         keep: list = [slice(None)] * nd               # param coordinates
         src_ranges = list(ranges)
         if decl.padding is not None:       # padded axis: real entries -> stored rows
