@@ -36,7 +36,9 @@ def add_parser(sub) -> None:
                                    "transposes) and read the same file bytes with a plain "
                                    "readinto loop on one thread; both with the page cache warm "
                                    "(each runs once untimed first). Prints both rates (GB = 1e9 "
-                                   "bytes) and loader / raw.")
+                                   "bytes) and loader / raw; without --json also two peers "
+                                   "from the same run: the loader's host side alone (what a "
+                                   "GPU host's CPU does) and the on-device transposes alone.")
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--layer", type=non_negative_int, default=None,
                    help="layer index (default 1, the first MoE layer)")
@@ -66,7 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
     import jax
     from flax import nnx
 
-    from k3jax.checkpoint import load_layer
+    from k3jax.checkpoint import load_layer, read_layers
     from k3jax.checkpoint.host import default_workers
     from k3jax.layout import make_mesh
 
@@ -90,18 +92,25 @@ def _bench(args: argparse.Namespace) -> int:
         return seconds
     transposed: list = []
 
+    def read_host_side() -> float:
+        t0 = time.perf_counter()
+        read_layers(reader, [layer], parallel, mesh, dtype=DTYPES[args.dtype], mxfp4=args.mxfp4,
+                    workers=args.workers)
+        return time.perf_counter() - t0
+
     load()                                   # warms the page cache and compiles the transposes
     regions = reader.take_regions()
     nbytes = sum(n for _, _, n in regions)
     raw_read(reader, regions)                # warm
     if not args.json:
         _time_transposes(transposed)         # compiles the peer's transposes
-    loader_s, raw_s, transpose_s = [], [], []
+    loader_s, raw_s, transpose_s, host_s = [], [], [], []
     for _ in range(args.repeat):
         loader_s.append(load())
         raw_s.append(raw_read(reader, regions))
         if not args.json:
             transpose_s.append(_time_transposes(transposed))
+            host_s.append(read_host_side())
     loader = nbytes / statistics.median(loader_s) / 1e9
     raw = nbytes / statistics.median(raw_s) / 1e9
     if args.json:
@@ -118,6 +127,10 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"raw read: {raw:8.3f} GB/s  (median of {args.repeat}: {statistics.median(raw_s):.3f} s; "
           f"one thread, readinto a reused buffer)")
     print(f"ratio:    {loader / raw:8.3f}")
+    host = nbytes / statistics.median(host_s) / 1e9
+    print(f"peer: the loader's host side alone (reads, checks, staging; nothing placed), "
+          f"{host:.3f} GB/s, {host / raw:.3f} of the raw read (median of {args.repeat}: "
+          f"{statistics.median(host_s):.3f} s)")
     moved = sum(a.nbytes for a in transposed)
     if moved:
         print(f"peer: the on-device transposes alone, {moved / 1e9:.3f} GB of the layer's "
@@ -142,7 +155,7 @@ def _time_transposes(arrays: list) -> float:
     (the loader's on-device step, compiled by its warm-up)."""
     import jax
 
-    from k3jax.checkpoint.source import swap_last_axes
+    from k3jax.checkpoint.pipeline import swap_last_axes
 
     t0 = time.perf_counter()
     jax.block_until_ready([swap_last_axes(a) for a in arrays])
