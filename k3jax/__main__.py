@@ -1,5 +1,3 @@
-import sys
+from k3jax.cli import entry
 
-from k3jax.cli import main
-
-sys.exit(main())
+entry()
