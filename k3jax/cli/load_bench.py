@@ -82,6 +82,7 @@ def _bench(args: argparse.Namespace) -> int:
     mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
 
     def load() -> float:
+        transposed.clear()                   # the previous load's parameters go first
         t0 = time.perf_counter()
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
