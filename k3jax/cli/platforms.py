@@ -16,7 +16,7 @@ malloc, which glibc backs with 4 KiB pages unless told otherwise (numpy
 asks for transparent huge pages itself; XLA does not). Every first touch of
 a 4 KiB page faults, and on a virtual machine a fault is costly: the
 loader's on-device transposes, which write fresh XLA buffers, are bound by
-them there (BENCHMARKS.md, "huge pages"). glibc reads its malloc
+them there (BENCHMARKS.md, "The pipelined loader"). glibc reads its malloc
 tunables once, at process start, so the ``k3jax`` command re-executes itself
 with ``glibc.malloc.hugetlb=1`` added to GLIBC_TUNABLES (``huge_page_environ``)
 when it will run on CPU devices and the kernel's THP mode is ``madvise``.
