@@ -347,6 +347,15 @@ def test_load_bench_json(f32_ckpt, capsys):
     assert out["ratio"] == pytest.approx(out["loader_GBps"] / out["raw_GBps"])
 
 
+def test_load_bench_text_has_both_peers(f32_ckpt, capsys):
+    assert main(["load-bench", "--checkpoint", str(f32_ckpt), "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    host = re.search(r"peer: the loader's host side alone .*?, ([0-9.]+) GB/s, ([0-9.]+) of the "
+                     r"raw read", out)
+    assert host and float(host.group(1)) > 0 and float(host.group(2)) > 0, out
+    assert re.search(r"peer: the on-device transposes alone, [0-9.]+ GB of", out), out
+
+
 def test_load_bench_usage(f32_ckpt, tmp_path, capsys):
     assert main(["load-bench", "--checkpoint", str(f32_ckpt), "--layer", "3"]) == 2
     assert "--layer 3 is out of range" in capsys.readouterr().err
