@@ -7,8 +7,8 @@ there (``swap_last_axes``). ``Prefetcher`` reads the blocks of a whole layer
 on one thread, in the order they will be placed, so reading overlaps the
 transfer and transposes of the blocks before; ``InFlight`` holds the last
 placed block until its device work is done, and then releases its share of
-the read-ahead budget: the host blocks read and not yet released never hold
-more than two of the plan's largest blocks.
+the read-ahead budget: the host blocks read and not yet released, with the
+staging buffers below, never hold more than two of the plan's largest blocks.
 
 A block that is transposed on the devices is only a staging copy: the
 parameter is the transposed array. Such blocks are read into ``Staging``
