@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Callable, Literal, Sequence
 
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.host import Workers
-from k3jax.checkpoint.pipeline import Staging, local_blocks
+from k3jax.checkpoint.pipeline import Staging, block_nbytes, local_blocks
 from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
@@ -137,6 +135,5 @@ def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP 
 
 def local_bytes(decls: Sequence[ParamDecl], mesh) -> int:
     """Bytes of the distinct blocks of ``decls`` that this process's devices hold."""
-    return sum(math.prod(len(range(*s.indices(n))) for s, n in zip(index, d.shape))
-               * np.dtype(d.dtype).itemsize
+    return sum(block_nbytes(index, d.shape, d.dtype)
                for d in decls for index, _ in local_blocks(d.shape, NamedSharding(mesh, d.spec)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import queue
 import threading
 from typing import Callable, Sequence
@@ -46,6 +47,12 @@ def local_blocks(shape: Sequence[int], sharding: NamedSharding
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         groups.setdefault(block_key(index, shape), (index, []))[1].append(device)
     return list(groups.values())
+
+
+def block_nbytes(index, shape, dtype) -> int:
+    """Bytes of the block ``index`` (slices) of a ``shape`` array of ``dtype``."""
+    return (math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape))
+            * np.dtype(dtype).itemsize)
 
 
 def block_key(index, shape) -> tuple:

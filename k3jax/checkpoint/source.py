@@ -28,10 +28,12 @@ from jax.sharding import NamedSharding
 from k3jax.checkpoint.host import Workers, aligned_empty, first_nonfinite
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.pipeline import (
+    BlockKey,
     InFlight,
     Prefetcher,
     Staging,
     block_key,
+    block_nbytes,
     local_blocks,
     place_blocks,
 )
@@ -85,22 +87,23 @@ class CheckpointSource:
         for decl in decls:
             self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
 
-    def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> None:
+    def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> list[BlockKey]:
         """Start reading the blocks of ``decls`` (checked, in the order they
         will be asked for, on ``mesh``) on a thread, so that reading overlaps
-        the transfer and transposes of the blocks before; at most two host
-        blocks at a time, those to be transposed in staging buffers."""
+        the transfer and transposes of the blocks before, within the
+        Prefetcher's byte budget, those to be transposed in staging buffers.
+        Returns the blocks' keys in that order."""
         plan = []
         for decl in decls:
             ref = self.tensors[decl.name]
             sharding = NamedSharding(mesh, decl.spec)
             for index, _ in local_blocks(decl.shape, sharding):
-                nbytes = (math.prod(len(range(*s.indices(n))) for s, n in zip(index, decl.shape))
-                          * np.dtype(decl.dtype).itemsize)
-                plan.append(((decl.name, block_key(index, decl.shape)), nbytes, ref.transpose,
+                plan.append(((decl.name, block_key(index, decl.shape)),
+                             block_nbytes(index, decl.shape, decl.dtype), ref.transpose,
                              (decl, ref, self._stored[decl.name], index)))
         self._prefetch = Prefetcher(self._read_counted, plan, self.staging)
         self._in_flight.on_drop = self._prefetch.release
+        return [key for key, *_ in plan]
 
     def read_blocks(self, decls: Sequence[ParamDecl], mesh) -> int:
         """Read every block of ``decls`` on ``mesh`` as ``read_ahead`` and
@@ -109,12 +112,10 @@ class CheckpointSource:
         bytes read."""
         total = 0
         try:
-            self.read_ahead(decls, mesh)
-            for decl in decls:
-                for index, _ in local_blocks(decl.shape, NamedSharding(mesh, decl.spec)):
-                    block = self._prefetch.take((decl.name, block_key(index, decl.shape)))
-                    total += block.nbytes
-                    self._prefetch.release(block)
+            for key in self.read_ahead(decls, mesh):
+                block = self._prefetch.take(key)
+                total += block.nbytes
+                self._prefetch.release(block)
         finally:
             self.close()
         return total
