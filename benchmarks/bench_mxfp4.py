@@ -39,9 +39,10 @@ DTYPE = jnp.bfloat16
 
 
 def random_mxfp4(key, g: int, k: int, n: int) -> Mxfp4Weights:
-    """Random codes and scale bytes 119..122 (weights of magnitude <= 6 * 2**-5)."""
+    """Random codes [g, n, k/2] and scale bytes 119..122 [g, k/32, n] (weights
+    of magnitude <= 6 * 2**-5)."""
     kp, ks = jax.random.split(key)
-    packed = jax.random.randint(kp, (g, k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    packed = jax.random.randint(kp, (g, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     scale = jax.random.randint(ks, (g, k // 32, n), 119, 123, jnp.int32).astype(jnp.uint8)
     return Mxfp4Weights(packed, scale)
 

@@ -67,9 +67,10 @@ class GroupedCase:
 
     op "gate_up_situ": x [rows, latent] -> [rows, inter], two weights;
     op "down":         x [rows, inter] -> [rows, latent], one weight.
-    mxfp4: the weights are MXFP4 (packed uint8 [G, K/2, N] + UE8M0 scales
-    [G, K/32, N] each; label "<op>_mxfp4"): timed here by the Triton kernels
-    (bench_mxfp4.py times the "pallas" MXFP4 kernel), modelled by benchmarks.model_rows.
+    mxfp4: the weights are MXFP4 (packed uint8 [G, N, K/2] + UE8M0 scales
+    [G, K/32, N] each, as Mxfp4Weights holds them; label "<op>_mxfp4"):
+    timed here by the Triton kernels (bench_mxfp4.py times the "pallas"
+    MXFP4 kernel), modelled by benchmarks.model_rows.
     """
 
     op: str
@@ -98,7 +99,7 @@ class GroupedCase:
         """(x_MK, *w_GKN, group_sizes_G) shapes of the kernel's arguments."""
         S = jax.ShapeDtypeStruct
         if self.mxfp4:
-            w = [S((self.local_experts, self.k // 2, self.n), jnp.uint8),
+            w = [S((self.local_experts, self.n, self.k // 2), jnp.uint8),
                  S((self.local_experts, self.k // 32, self.n), jnp.uint8)]
         else:
             w = [S((self.local_experts, self.k, self.n), DTYPE)]
@@ -120,10 +121,9 @@ class GroupedCase:
         return situ_glu(*products_f32, **SITU) if self.op == "gate_up_situ" else products_f32[0]
 
 
-def dequant_GKN(packed_GHN, scale_GSN):
-    """MXFP4 [G, K/2, N] + [G, K/32, N] -> bf16 [G, K, N] (dequant along K)."""
-    from pallas_kernels.mxfp4 import dequant
-    return dequant(packed_GHN, scale_GSN, DTYPE, axis=1)
+def dequant_GKN(packed_GNH, scale_GSN):
+    """MXFP4 [G, N, K/2] + [G, K/32, N] -> bf16 [G, K, N] (dequant along K)."""
+    return Mxfp4Weights(packed_GNH, scale_GSN).dequantize(DTYPE)
 
 
 def mxfp4_fn(op: str, backend: str) -> Callable:

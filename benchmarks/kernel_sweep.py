@@ -168,10 +168,11 @@ def _expert_weights(plan: Plan, case: GroupedCase, mxfp4: bool) -> dict:
 
 
 def _random_mxfp4(key, g: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
-    """Random MXFP4 weight: uniform codes, scale bytes 119..121 (~ N(0, 1/k)
-    magnitudes for k = 3072..3584: E2M1 codes have RMS 2.9)."""
+    """Random MXFP4 weight [g, k, n]: uniform codes [g, n, k/2] (Mxfp4Weights'
+    packed_GNK), scale bytes 119..121 [g, k/32, n] (~ N(0, 1/k) magnitudes
+    for k = 3072..3584: E2M1 codes have RMS 2.9)."""
     kp, ks = jax.random.split(key)
-    packed = jax.random.randint(kp, (g, k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
+    packed = jax.random.randint(kp, (g, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     scale = jax.random.randint(ks, (g, k // 32, n), 119, 122, jnp.int32).astype(jnp.uint8)
     return packed, scale
 

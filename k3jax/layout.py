@@ -88,7 +88,9 @@ class ExpertStorage(enum.Enum):
     DENSE          w1_ELF, w3_ELF, w2_EFL in the Layout's dtype (random values,
                    or float experts read from a checkpoint)
     MXFP4          uint8 codes + UE8M0 scales, packed along each weight's input
-                   axis; the grouped matmuls dequantize one active expert at a time
+                   axis (the codes [E, out, in/2] as the checkpoint stores them,
+                   the scales [E, in/32, out]); the grouped matmuls dequantize
+                   one active expert at a time
     MXFP4_DEQUANT  MXFP4 in the checkpoint, dequantized to the Layout's dtype
                    as it is loaded: in device memory exactly as DENSE
     """

@@ -6,7 +6,7 @@ Public API (the three matmul entry points take backend="auto" | "xla" |
   grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, ...) -> h_MN
   situ_mlp_up(x_TD, gate_DF, up_DF, ...)                           -> h_TF
   situ_glu(gate, up, beta=..., linear_beta=...)   the one SiTU-GLU definition
-  Mxfp4Weights(packed_GKN, scale_GKN)   an MXFP4 weight the grouped ops accept
+  Mxfp4Weights(packed_GNK, scale_GKN)   an MXFP4 weight the grouped ops accept
   resolve_backend(backend)
 """
 

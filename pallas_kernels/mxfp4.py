@@ -9,7 +9,8 @@ An MXFP4 tensor of logical shape ``[..., n]`` (n a multiple of 32) is stored as
   elements, ``scale = 2 ** (byte - 127)``.
 
 ``dequant`` / ``dequant_numpy`` take the codes along any one axis (``axis``;
-the grouped weights ``Mxfp4Weights`` are packed along K, axis 1 of [G, K, N]).
+the grouped weights ``Mxfp4Weights`` hold codes [G, N, K/2], packed along K,
+the last axis).
 
 An E2M1 code: bit 3 is the sign, bits 0-2 index the magnitudes
 0, 0.5, 1, 1.5, 2, 3, 4, 6 (``E2M1_VALUES``).
@@ -199,16 +200,25 @@ def encode(x) -> tuple[np.ndarray, np.ndarray]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Weights:
-    """One MXFP4 weight [G, K, N]: packed_GKN uint8 [G, K/2, N] (two E2M1 codes
-    per byte along K, low nibble first), scale_GKN uint8 [G, K/32, N] (UE8M0)."""
+    """One MXFP4 weight of logical shape [G, K, N] (x_MK @ w[g] contracts K).
 
-    packed_GKN: jax.Array
+    * packed_GNK uint8 [G, N, K/2]: the checkpoint's [out, in] orientation,
+      two E2M1 codes per byte along K (low nibble first), each output row's
+      K/2 bytes contiguous; the loader places the stored bytes unchanged.
+    * scale_GKN uint8 [G, K/32, N]: the UE8M0 scales, K-block major (one row
+      of N bytes per 32 K elements). The loader transposes them from the
+      stored [N, K/32]: a kernel's K step needs 4 scale bytes per output row,
+      fewer than the 16 contiguous bytes a TMA box takes, but block_n of them
+      per K-block row.
+    """
+
+    packed_GNK: jax.Array
     scale_GKN: jax.Array
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """The logical shape (G, K, N)."""
-        g, half_k, n = self.packed_GKN.shape
+        g, n, half_k = self.packed_GNK.shape
         return g, 2 * half_k, n
 
     @property
@@ -217,29 +227,29 @@ class Mxfp4Weights:
 
     def validate(self, name: str) -> None:
         """ValueError naming ``name`` unless the pair is a well-formed MXFP4 weight."""
-        packed, scale = self.packed_GKN, self.scale_GKN
+        packed, scale = self.packed_GNK, self.scale_GKN
         if packed.ndim != 3 or scale.ndim != 3:
-            raise ValueError(f"{name}: MXFP4 packed_GKN and scale_GKN must be 3-D, got "
+            raise ValueError(f"{name}: MXFP4 packed_GNK and scale_GKN must be 3-D, got "
                              f"{packed.shape} and {scale.shape}")
         if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
-            raise ValueError(f"{name}: MXFP4 packed_GKN and scale_GKN must be uint8, got "
+            raise ValueError(f"{name}: MXFP4 packed_GNK and scale_GKN must be uint8, got "
                              f"{packed.dtype} and {scale.dtype}")
-        g, half_k, n = packed.shape
+        g, n, half_k = packed.shape
         if half_k % (BLOCK_SIZE // 2) or scale.shape != (g, 2 * half_k // BLOCK_SIZE, n):
-            raise ValueError(f"{name}: MXFP4 packed_GKN {packed.shape} needs K/2 a multiple of "
+            raise ValueError(f"{name}: MXFP4 packed_GNK {packed.shape} needs K/2 a multiple of "
                              f"{BLOCK_SIZE // 2} and scale_GKN [G, K/{BLOCK_SIZE}, N] = "
                              f"{[g, 2 * half_k // BLOCK_SIZE, n]}, got {list(scale.shape)}")
 
     def expert(self, g: jax.Array | int, dtype) -> jax.Array:
         """Group ``g``'s weight [K, N] in ``dtype`` (g may be traced)."""
-        packed_KN = jax.lax.dynamic_index_in_dim(self.packed_GKN, g, 0, keepdims=False)
+        packed_NK = jax.lax.dynamic_index_in_dim(self.packed_GNK, g, 0, keepdims=False)
         scale_KN = jax.lax.dynamic_index_in_dim(self.scale_GKN, g, 0, keepdims=False)
-        return dequant(packed_KN, scale_KN, dtype, axis=0)
+        return dequant(packed_NK, scale_KN.T, dtype, axis=1).T
 
     def dequantize(self, dtype) -> jax.Array:
         """Every group [G, K, N] in ``dtype`` (for tests and small shapes only)."""
-        return jax.vmap(lambda p, s: dequant(p, s, dtype, axis=0))(self.packed_GKN,
-                                                                   self.scale_GKN)
+        return jax.vmap(lambda p, s: dequant(p, s.T, dtype, axis=1).T)(self.packed_GNK,
+                                                                       self.scale_GKN)
 
 
 __all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Weights",

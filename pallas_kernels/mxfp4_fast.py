@@ -3,12 +3,12 @@ bit sequence, from which the Mosaic kernel's inline PTX (``ptx``) and the
 bit-exact jnp emulation interpret mode runs (``emulate``) are both made.
 
 Inputs, per 32-bit register (bf16x2 lane 0 = bits 0..15, lane 1 = bits 16..31):
-  * ``q``: the two code bytes of columns (c, c+1) of one packed row in bits
-    0..15 (byte j of a column: K element 2j in the low nibble, 2j+1 high);
-  * ``s``: the bf16x2 scale pair 2**(b - 1) of columns (c, c+1), b the UE8M0
-    byte of the row's 32-element block (``SCALE_SEQUENCE`` builds it from the
-    two scale bytes).
-Outputs: ``lo`` (the low nibbles: even K) and ``hi`` (odd K) as bf16x2.
+  * ``q``: two adjacent code bytes (j, j+1) of one weight row in bits 0..15
+    (byte j: K element 2j in the low nibble, 2j+1 in the high one);
+  * ``s``: the bf16x2 scale 2**(b - 1) in both lanes, b the UE8M0 byte of
+    the 32-element block both bytes lie in (``SCALE_SEQUENCE`` builds it
+    from that byte).
+Outputs: ``lo`` = K elements (2j, 2j+2) and ``hi`` = (2j+1, 2j+3), as bf16x2.
 
 Each nibble (sign, e1 e0 m) becomes the bf16 bits sign << 15 | e1 e0 m << 6,
 which is exactly the E2M1 value times 2**-126 (exponent field e, top mantissa
@@ -73,11 +73,11 @@ the low nibbles need no mask of their own; the high nibbles do (t's bit 8
 is the low nibble's bit 0)."""
 
 SCALE_SEQUENCE = (
-    Op("prmt", "y", ("sv", "zero"), (0x4140,)),       # bytes [b_c, 0, b_c+1, 0]
+    Op("prmt", "y", ("sv", "zero"), (0x4040,)),       # bytes [b, 0, b, 0]
     Op("mad", "s", ("y",), (128, SCALE_BIAS)),        # lane = (b + 126) << 7 = 2**(b - 1)
 )
-"""sv (the scale bytes of columns c, c+1 in bits 0..15) -> s. The operand
-"zero" is the literal 0 (selector 4 reads its byte 0)."""
+"""sv (the scale byte b in bits 0..7) -> s. The operand "zero" is the
+literal 0 (selector 4 reads its byte 0)."""
 
 INPUTS = {"SEQUENCE": ("q", "s"), "SCALE_SEQUENCE": ("sv",)}
 OUTPUTS = {"SEQUENCE": ("lo", "hi"), "SCALE_SEQUENCE": ("s",)}
@@ -196,8 +196,8 @@ def emulate(sequence: tuple[Op, ...], **inputs) -> dict[str, jnp.ndarray]:
 
 
 def dequant_words(q, sv) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """uint32 words of two code bytes (bits 0..15) and of their two scale
-    bytes -> (lo, hi) uint32 bf16x2 words, by ``emulate``."""
+    """uint32 words of two code bytes (bits 0..15) and of their scale byte
+    (bits 0..7) -> (lo, hi) uint32 bf16x2 words, by ``emulate``."""
     s = emulate(SCALE_SEQUENCE, sv=sv)["s"]
     regs = emulate(SEQUENCE, q=q, s=s)
     return regs["lo"], regs["hi"]

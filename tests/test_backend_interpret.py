@@ -204,7 +204,7 @@ def test_interpret_with_packed_mxfp4_experts(checkpoints, x_path, tmp_path, kern
     assert main(argv) == 0, argv
     y = np.load(tmp_path / "y.npy")
     out = capsys.readouterr().out
-    assert "w1_packed_ELF" in out and "w2_scale_EFL" in out, out  # packed on the device
+    assert "w1_packed_EFL" in out and "w2_scale_EFL" in out, out  # packed on the device
     assert {num_w for num_w, _, _ in kernel_calls} == {2}, kernel_calls
     assert {num_w for num_w, _, _ in mxfp4_kernel_calls} == {1, 2}, mxfp4_kernel_calls
     if layout == "sp_ep":  # per-device: 16 experts / 2 devices = 8 local

@@ -182,8 +182,10 @@ def test_mxfp4_experts_packed_and_dequantized(mxfp4):
     assert reader.info(MOE + "gate.weight")[0] == "BF16"
     packed, y_packed = check_layer(reader, TINY, tensors, 1, mxfp4="packed")
     assert not hasattr(packed, "w1_ELF")
-    assert packed.w1_packed_ELF[...].dtype == jnp.uint8
-    assert packed.w1_packed_ELF[...].shape == (16, 32, 64)
+    assert packed.w1_packed_EFL[...].dtype == jnp.uint8
+    assert packed.w1_packed_EFL[...].shape == (16, 64, 32)     # [E, F, L/2]: as stored
+    assert packed.w2_packed_ELF[...].shape == (16, 64, 32)     # [E, L, F/2]
+    assert packed.w1_scale_ELF[...].shape == (16, 2, 64)       # [E, L/32, F]: transposed
     assert packed.w2_scale_EFL[...].shape == (16, 2, 64)
     dequantized, y_dense = check_layer(reader, TINY, tensors, 1, mxfp4="dequantize")
     assert dequantized.w1_ELF[...].dtype == jnp.float32
@@ -315,6 +317,13 @@ def test_mxfp4_packed_tensor_parallel_with_padding(tmp_path, eight_devices):
     w2s = module.w2_scale_EFL[...]
     assert w2s.shape == (16, 8, 64) and w2s.sharding.shard_shape(w2s.shape) == (16, 2, 64)
     assert np.all(np.asarray(w2s)[:, 1::2] == 0)         # the padding blocks
+    # the codes as stored, [E, out, in/2]: F is split (and padded) along w1's
+    # axis 1 and w2's (packed) axis 2
+    w1p, w2p = module.w1_packed_EFL[...], module.w2_packed_ELF[...]
+    assert w1p.shape == (16, 256, 32) and w1p.sharding.shard_shape(w1p.shape) == (16, 64, 32)
+    assert w2p.shape == (16, 64, 128) and w2p.sharding.shard_shape(w2p.shape) == (16, 64, 32)
+    assert np.all(np.asarray(w1p).reshape(16, 4, 64, 32)[:, :, 32:] == 0)
+    assert np.all(np.asarray(w2p).reshape(16, 64, 4, 32)[..., 16:] == 0)
 
 
 def test_mxfp4_tp8_padded(mxfp4, eight_devices):

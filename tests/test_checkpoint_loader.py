@@ -1,9 +1,9 @@
 """The checkpoint loader's fast path: every loaded parameter is bitwise the
-stored tensors (as the safetensors library reads them) transposed, stacked
-and padded; header problems are named before any data is read; worker
-failures stop the others and report the first error; ``load_layers`` with
-one progress bar; ``k3jax load-bench``, ``make-checkpoint --num-experts``
-and ``run --layers``."""
+stored tensors (as the safetensors library reads them) transposed (all but
+the packed MXFP4 codes, held as stored), stacked and padded; header problems
+are named before any data is read; worker failures stop the others and
+report the first error; ``load_layers`` with one progress bar; ``k3jax
+load-bench``, ``make-checkpoint --num-experts`` and ``run --layers``."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def stored(ckpt) -> dict[str, np.ndarray]:
 
 def expected_param(decl, ref, prefix, tensors, num_experts):
     """The full parameter a loader must build: stored [out, in] tensors
-    transposed, experts stacked, zero rows where ``decl.padding`` says."""
+    transposed (those whose TensorRef says so), experts stacked, zero rows
+    where ``decl.padding`` says."""
     def one(e):
         a = tensors[ref.name(prefix, e)]
         return a.T if ref.transpose else a
@@ -102,6 +103,12 @@ def check_bitwise(module, layer, tensors, parallel=ParallelConfig(), mesh=None,
         assert got.dtype == want.dtype and got.shape == want.shape, decl.name
         np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint8),
                                       np.ascontiguousarray(want).view(np.uint8), err_msg=decl.name)
+    if is_moe and experts is ExpertStorage.MXFP4:
+        # packed codes are held [E, out, in/2]: the stored tensors, stacked, unchanged
+        for w, name in (("w1", "w1_packed_EFL"), ("w3", "w3_packed_EFL"), ("w2", "w2_packed_ELF")):
+            want = np.stack([tensors[f"{prefix}experts.{e}.{w}.weight_packed"]
+                             for e in range(CFG.num_experts)])
+            np.testing.assert_array_equal(np.asarray(params[name]), want, err_msg=name)
 
 
 @pytest.mark.parametrize("ckpt, parallel, dtype", [

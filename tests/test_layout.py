@@ -419,6 +419,36 @@ def test_packed_mxfp4_that_splits_is_accepted():
         make_layout(TINY, ParallelConfig(tp=2), experts="mxfp4")
 
 
+@pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(tp=4),
+                                 ParallelConfig(dp=2, tp=2, expert_parallel=True)],
+                         ids=["local", "tp4-padded", "ep4"])
+def test_packed_mxfp4_codes_keep_the_stored_orientation(par):
+    """Packed codes are [E, out, in/2] as the checkpoint stores them, split
+    like their weight (spec's last two entries swapped, F's padding moving
+    with F); the scales are [E, in/32, out], split and padded as the weight."""
+    from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, moe_decls
+
+    cfg = TINY.replace(moe_intermediate_size=128, min_moe_intermediate_per_partition=64)
+    layout = make_layout(cfg, par, experts=ExpertStorage.MXFP4)
+    E, L, I, F = 16, cfg.routed_expert_hidden_size, 128, layout.padded_moe_intermediate
+    shards = layout.expert_shards
+    assert (F, shards) == ((256, 4) if par.tp == 4 and not par.expert_parallel else (128, 1))
+    decls = {d.name: d for d in moe_decls(layout) if d.name in MXFP4_EXPERT_PARAMS}
+    assert sorted(decls) == sorted(MXFP4_EXPERT_PARAMS)
+    specs = layout.moe_param_specs()
+    swap = lambda s: s if s == P() else P(*list(s)[:-2], s[2], s[1])  # noqa: E731
+    pad = lambda axis, real: Padding(axis, shards, real) if F != I else None  # noqa: E731
+    want = {"w1_packed_EFL": ((E, F, L // 2), swap(specs["w1_ELF"]), pad(1, I)),
+            "w3_packed_EFL": ((E, F, L // 2), swap(specs["w3_ELF"]), pad(1, I)),
+            "w2_packed_ELF": ((E, L, F // 2), swap(specs["w2_EFL"]), pad(2, I // 2)),
+            "w1_scale_ELF": ((E, L // 32, F), specs["w1_ELF"], pad(2, I)),
+            "w3_scale_ELF": ((E, L // 32, F), specs["w3_ELF"], pad(2, I)),
+            "w2_scale_EFL": ((E, F // 32, L), specs["w2_EFL"], pad(1, I // 32))}
+    for name, (shape, spec, padding) in want.items():
+        d = decls[name]
+        assert (d.shape, d.spec, d.padding, d.dtype) == (shape, spec, padding, jnp.uint8), name
+
+
 def test_backend_is_resolved_once_from_the_mesh_devices(eight_devices, monkeypatch):
     """"auto" is resolved from the mesh's devices when the Layout is made: a
     CPU mesh says xla even if jax.devices() claimed Hopper GPUs, and an
@@ -463,7 +493,7 @@ def test_the_modules_read_the_layouts_decisions(eight_devices, monkeypatch):
     module = build_layer(layout, 1, mesh, source=AbstractSource())
     assert (module.backend, module.experts, module.dtype) == ("interpret", ExpertStorage.MXFP4,
                                                               jnp.bfloat16)
-    assert module.w1_packed_ELF.dtype == jnp.uint8 and module.lat_down_DL.dtype == jnp.bfloat16
+    assert module.w1_packed_EFL.dtype == jnp.uint8 and module.lat_down_DL.dtype == jnp.bfloat16
     assert module.shared.backend == "interpret" and module.shared.dtype == jnp.bfloat16
     seen = []
 

@@ -192,3 +192,52 @@ def test_the_source_closes_after_reading_its_blocks(ckpt):
     source.check(decls)
     assert source.read_blocks(decls, mesh) == local_bytes(decls, mesh)
     assert not any(t.name == "k3jax-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_packed_codes_are_the_blocks_read_on_a_cpu_device(ckpt, monkeypatch):
+    """Packed MXFP4 codes are held [E, out, in/2] as stored: on a CPU device
+    the block read is the parameter (never a staging buffer; device_put
+    aliases it, no copy), and only transposed blocks are staged; where
+    device_put copies (an accelerator) every block is a staging copy."""
+    import jax
+
+    from k3jax.checkpoint import source as source_module
+    from k3jax.checkpoint.pipeline import devices_copy_blocks
+
+    parallel = ParallelConfig()
+    mesh = make_mesh(parallel)
+    assert not devices_copy_blocks(mesh)
+    put = jax.device_put
+    aliased = {}   # id of a placed uint8 3-D block's device buffer -> whether it is the block's memory
+
+    def spy(x, device=None, *args, **kw):
+        y = put(x, device, *args, **kw)
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3:
+            aliased[y.unsafe_buffer_pointer()] = y.unsafe_buffer_pointer() == x.ctypes.data
+        return y
+    monkeypatch.setattr(jax, "device_put", spy)
+    module = load_layer(ckpt, 1, parallel, mesh, backend="xla", dtype=jnp.bfloat16)
+    for name in ("w1_packed_EFL", "w3_packed_EFL", "w2_packed_ELF"):
+        (shard,) = getattr(module, name)[...].addressable_shards
+        assert aliased.get(shard.data.unsafe_buffer_pointer()), name   # the block read, uncopied
+    monkeypatch.setattr(jax, "device_put", put)
+
+    plans = []
+
+    class Spy(source_module.Prefetcher):
+        def __init__(self, read_block, plan, staging, budget=None):
+            plans.append({key[0]: staged for key, _, staged, _ in plan})
+            super().__init__(read_block, plan, staging, budget)
+    monkeypatch.setattr(source_module, "Prefetcher", Spy)
+    layout = make_layout(CFG, parallel, mesh, backend="xla", experts=ExpertStorage.MXFP4,
+                         dtype=jnp.bfloat16)
+    decls = layer_decls(layout, 1)
+    for copies in (False, True):
+        monkeypatch.setattr(source_module, "devices_copy_blocks", lambda mesh: copies)
+        source = CheckpointSource(CheckpointReader(ckpt), 1)
+        source.check(decls)
+        assert source.read_blocks(decls, mesh) == local_bytes(decls, mesh)
+        staged = plans[-1]
+        assert [staged[n] for n in ("w1_packed_EFL", "w3_packed_EFL", "w2_packed_ELF")] == [copies] * 3
+        assert staged["w1_scale_ELF"] and staged["w2_scale_EFL"] and staged["shared.gate_DF"]
+        assert staged["router_bias_E"] is copies            # 1-D: held as stored too

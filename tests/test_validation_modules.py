@@ -104,13 +104,18 @@ def test_expert_weights_follow_the_declared_storage():
              "w2_EFL": jnp.ones((E, F, L))}
     assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE),
                                       dense.values()))
-    packed = {f"{w}_{part}_{axes}": jnp.asarray(rng.integers(100, 130, (E, n // per, m)), jnp.uint8)
-              for w, axes, n, m in (("w1", "ELF", L, F), ("w3", "ELF", L, F), ("w2", "EFL", F, L))
-              for part, per in (("packed", 2), ("scale", 32))}
+    u8 = lambda shape: jnp.asarray(rng.integers(100, 130, shape), jnp.uint8)  # noqa: E731
+    packed = {}   # codes [E, out, in/2] as stored, scales [E, in/32, out]
+    for w, codes, scales, n_in, n_out in (("w1", "EFL", "ELF", L, F), ("w3", "EFL", "ELF", L, F),
+                                          ("w2", "ELF", "EFL", F, L)):
+        packed[f"{w}_packed_{codes}"] = u8((E, n_out, n_in // 2))
+        packed[f"{w}_scale_{scales}"] = u8((E, n_in // 32, n_out))
     w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4)   # packed, never dequantized here
     assert all(isinstance(w, Mxfp4Weights) for w in (w1, w3, w2))
     assert (w1.shape, w3.shape, w2.shape) == ((E, L, F), (E, L, F), (E, F, L))
-    assert w2.packed_GKN is packed["w2_packed_EFL"] and w2.scale_GKN is packed["w2_scale_EFL"]
+    assert w1.packed_GNK is packed["w1_packed_EFL"] and w1.scale_GKN is packed["w1_scale_ELF"]
+    assert w3.packed_GNK is packed["w3_packed_EFL"] and w3.scale_GKN is packed["w3_scale_ELF"]
+    assert w2.packed_GNK is packed["w2_packed_ELF"] and w2.scale_GKN is packed["w2_scale_EFL"]
     with pytest.raises(KeyError):            # a packed dict is never mistaken for dense
         expert_weights(packed, ExpertStorage.DENSE)
 

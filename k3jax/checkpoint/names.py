@@ -1,7 +1,9 @@
 """Checkpoint tensor names (docs/spec.md §3), in one table keyed by module parameter.
 
 Every weight is stored ``[out, in]`` (torch Linear); k3jax parameters are
-``[in, out]``, so most entries are transposed on load. Routed experts are one
+``[in, out]``, so most entries are transposed on load. The exception is the
+packed MXFP4 routed-expert codes, which k3jax holds ``[out, in/2]`` as stored
+(their scales are transposed like the weights). Routed experts are one
 tensor per expert, stacked on load along the leading E axis.
 """
 
@@ -48,8 +50,13 @@ MOE_TENSORS: dict[str, TensorRef] = {
     "w3_ELF": TensorRef("experts.{e}.w3.weight", True, per_expert=True),
     "w2_EFL": TensorRef("experts.{e}.w2.weight", True, per_expert=True),
     **mlp_tensors("shared.", "shared_experts."),
-    **{f"{w}_{part}_{axes}": TensorRef(f"experts.{{e}}.{w}.weight_{part}", True, True, packed=True)
-       for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL")) for part in ("packed", "scale")},
+    # MXFP4 experts: the codes [E, out, in/2] are held as stored (each expert's
+    # tensor is its slice as it lies), the scales [E, in/32, out] transposed.
+    **{f"{w}_{part}_{axes}": TensorRef(f"experts.{{e}}.{w}.weight_{part}", part == "scale", True,
+                                        packed=True)
+       for w, part, axes in (("w1", "packed", "EFL"), ("w1", "scale", "ELF"),
+                             ("w3", "packed", "EFL"), ("w3", "scale", "ELF"),
+                             ("w2", "packed", "ELF"), ("w2", "scale", "EFL"))},
 }
 
 

@@ -15,7 +15,12 @@ parameter is the transposed array. Such blocks are read into ``Staging``
 buffers that are reused from block to block (and layer to layer), so only
 the parameters themselves are written into fresh memory. Fresh memory costs
 a page fault per page on its first touch, which on a CPU device is CPU time
-taken from the reads and transposes.
+taken from the reads and transposes. A block that is not transposed (packed
+MXFP4 expert codes, held [E, out, in/2] as stored; 1-D tensors) is, on a CPU
+device, read into fresh 64-byte aligned memory that becomes the parameter:
+the device aliases it (``jax.device_put`` copies nothing). An accelerator
+copies every block to its own memory, so there all blocks are staging
+copies (``devices_copy_blocks``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ def block_nbytes(index, shape, dtype) -> int:
     """Bytes of the block ``index`` (slices) of a ``shape`` array of ``dtype``."""
     return (math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape))
             * np.dtype(dtype).itemsize)
+
+
+def devices_copy_blocks(mesh) -> bool:
+    """Whether ``jax.device_put`` copies a host block to ``mesh``'s devices
+    (accelerators), so the block is only a staging copy even when it is not
+    transposed; a CPU device aliases a 64-byte aligned block instead
+    (checked: the device buffer's address is the block's)."""
+    return any(d.platform != "cpu" for d in mesh.devices.flat)
 
 
 def block_key(index, shape) -> tuple:

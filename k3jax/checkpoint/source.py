@@ -8,11 +8,15 @@ each stored piece (one expert's slice, one tensor's slice) is read once,
 straight into its place, by a pool of worker threads (pieces of one block in
 parallel, a large piece split into chunks), and checked there (NaN / inf on
 the bits, MXFP4 scales). The block goes to its devices without a host copy,
-and the transpose to the parameter's [in, out] orientation runs on the
-device. With ``read_ahead`` a thread reads the blocks in the order they will
-be placed, into reused staging buffers where the block is transposed (the
-pipeline module says how reading overlaps the device work). No process ever
-materialises a whole layer, nor even its whole share of one parameter.
+and, for a parameter held [in, out], the transpose to that orientation runs
+on the device. A parameter held as stored (packed MXFP4 expert codes,
+[E, out, in/2]; 1-D tensors) is the block itself: nothing but the transfer
+happens to it, and none on a CPU device, which aliases the block. With
+``read_ahead`` a thread reads the blocks in the order they will be placed,
+into reused staging buffers those that are copied and dropped (transposed
+ones; on an accelerator, all; the pipeline module says how reading
+overlaps the device work). No process ever materialises a whole
+layer, nor even its whole share of one parameter.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from k3jax.checkpoint.pipeline import (
     Staging,
     block_key,
     block_nbytes,
+    devices_copy_blocks,
     local_blocks,
     place_blocks,
 )
@@ -91,15 +96,17 @@ class CheckpointSource:
         """Start reading the blocks of ``decls`` (checked, in the order they
         will be asked for, on ``mesh``) on a thread, so that reading overlaps
         the transfer and transposes of the blocks before, within the
-        Prefetcher's byte budget, those to be transposed in staging buffers.
-        Returns the blocks' keys in that order."""
+        Prefetcher's byte budget, in staging buffers those that are copied
+        and dropped (transposed ones; on an accelerator, all). Returns the
+        blocks' keys in that order."""
+        copied = devices_copy_blocks(mesh)
         plan = []
         for decl in decls:
             ref = self.tensors[decl.name]
             sharding = NamedSharding(mesh, decl.spec)
             for index, _ in local_blocks(decl.shape, sharding):
                 plan.append(((decl.name, block_key(index, decl.shape)),
-                             block_nbytes(index, decl.shape, decl.dtype), ref.transpose,
+                             block_nbytes(index, decl.shape, decl.dtype), ref.transpose or copied,
                              (decl, ref, self._stored[decl.name], index)))
         self._prefetch = Prefetcher(self._read_counted, plan, self.staging)
         self._in_flight.on_drop = self._prefetch.release

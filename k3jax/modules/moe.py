@@ -10,8 +10,11 @@ Parameters (global shapes, F = the padded MoE intermediate):
 
 Routed experts are stored either dense (``ExpertStorage.DENSE``: the three
 arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
-of w1/w3/w2 a uint8 code array packed along its input axis and a UE8M0 scale
-array, e.g. w1_packed_ELF [E, L/2, F] and w1_scale_ELF [E, L/32, F]; 0.53125 B
+of w1/w3/w2 a uint8 code array packed along its input axis, held in the
+checkpoint's [out, in] orientation (w1_packed_EFL / w3_packed_EFL [E, F, L/2],
+w2_packed_ELF [E, L, F/2]: the loader places the stored bytes unchanged), and
+a UE8M0 scale array along the same input axis in the [in, out] orientation
+(w1_scale_ELF / w3_scale_ELF [E, L/32, F], w2_scale_EFL [E, F/32, L]); 0.53125 B
 per parameter in device memory; the grouped matmuls take them packed as
 ``Mxfp4Weights`` and dequantize one active expert at a time). Packed
 experts are frozen: gradients (k3jax.grads) flow through their dequantized
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
 from k3jax.layout import (
@@ -74,8 +78,11 @@ from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
-MXFP4_EXPERT_PARAMS = tuple(f"{w}_{part}_{axes}" for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL"))
-                            for part in ("packed", "scale"))
+# (codes, scales) per weight: codes [E, out, in/2] as stored, scales [E, in/32, out]
+MXFP4_PARAM_NAMES = {w: (f"{w}_packed_{packed}", f"{w}_scale_{scale}")
+                     for w, packed, scale in (("w1", "EFL", "ELF"), ("w3", "EFL", "ELF"),
+                                              ("w2", "ELF", "EFL"))}
+MXFP4_EXPERT_PARAMS = tuple(name for names in MXFP4_PARAM_NAMES.values() for name in names)
 
 
 SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside KimiMoE
@@ -114,36 +121,55 @@ def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
 
 def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
     """Packed codes (2 per byte) and scales (1 per 32) along each weight's
-    input axis: L for w1/w3 (axis 1 of [E, L, F]), F for w2 (axis 1 of [E, F, L]);
-    make_layout has checked that every shard holds whole 32-wide scale blocks."""
+    input axis (L for w1/w3, F for w2). The codes keep the checkpoint's
+    [out, in/2] per expert (w1/w3 [E, F, L/2], w2 [E, L, F/2]): their spec is
+    the weight's with its last two entries swapped, and F's padding moves
+    with F. The scales are [in/32, out] per expert, like the weight
+    (w1/w3 [E, L/32, F], w2 [E, F/32, L]). make_layout has checked that every
+    shard holds whole 32-wide scale blocks."""
     cfg = layout.cfg
     L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     F, shards = layout.padded_moe_intermediate, layout.expert_shards
     specs = layout.moe_param_specs()
     u8 = jnp.dtype(jnp.uint8)
+    pad = (lambda axis, real: Padding(axis, shards, real)) if F != I else (lambda axis, real: None)
     decls = []
-    pad_out = Padding(2, shards, I) if F != I else None     # F is w1/w3's output axis
-    for w in ("w1", "w3"):
+    for w in ("w1", "w3"):   # F is the output axis
+        packed, scale = MXFP4_PARAM_NAMES[w]
         spec = specs[f"{w}_ELF"]
-        decls += [ParamDecl(f"{w}_packed_ELF", (E, L // 2, F), u8, spec, Init.MXFP4_CODES, L, pad_out),
-                  ParamDecl(f"{w}_scale_ELF", (E, L // BLOCK_SIZE, F), u8, spec, Init.MXFP4_SCALES,
-                            L, pad_out)]
+        decls += [ParamDecl(packed, (E, F, L // 2), u8, _swap_last(spec, 3), Init.MXFP4_CODES, L,
+                            pad(1, I)),
+                  ParamDecl(scale, (E, L // BLOCK_SIZE, F), u8, spec, Init.MXFP4_SCALES, L,
+                            pad(2, I))]
+    packed, scale = MXFP4_PARAM_NAMES["w2"]   # F is the (packed) input axis
     spec = specs["w2_EFL"]
-    for suffix, per, init in (("packed", 2, Init.MXFP4_CODES), ("scale", BLOCK_SIZE, Init.MXFP4_SCALES)):
-        pad_in = Padding(1, shards, I // per) if F != I else None   # F is w2's (packed) input axis
-        decls.append(ParamDecl(f"w2_{suffix}_EFL", (E, F // per, L), u8, spec, init, I, pad_in))
+    decls += [ParamDecl(packed, (E, L, F // 2), u8, _swap_last(spec, 3), Init.MXFP4_CODES, I,
+                        pad(2, I // 2)),
+              ParamDecl(scale, (E, F // BLOCK_SIZE, L), u8, spec, Init.MXFP4_SCALES, I,
+                        pad(1, I // BLOCK_SIZE))]
     return decls
+
+
+def _swap_last(spec: P, ndim: int) -> P:
+    """The PartitionSpec of an ``ndim``-D array's transpose in its last two
+    axes (P() stays P(): replicated either way)."""
+    if not len(spec):
+        return spec
+    entries = list(spec) + [None] * (ndim - len(spec))
+    entries[-2:] = entries[-2:][::-1]
+    return P(*entries)
 
 
 def expert_weights(p: dict, experts: ExpertStorage) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
     """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
     arrays as stored (DENSE, MXFP4_DEQUANT), or Mxfp4Weights of the packed
-    codes and scales (MXFP4; the grouped matmuls dequantize them, one active
-    expert at a time, to the activations' dtype)."""
+    codes [E, out, in/2] and scales [E, in/32, out] (MXFP4; the grouped
+    matmuls dequantize them, one active expert at a time, to the
+    activations' dtype)."""
     if not experts.packed:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
-    return tuple(Mxfp4Weights(p[f"{w}_packed_{axes}"], p[f"{w}_scale_{axes}"])
-                 for w, axes in (("w1", "ELF"), ("w3", "ELF"), ("w2", "EFL")))
+    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]])
+                 for w in ("w1", "w3", "w2"))
 
 
 # -- per-device bodies (inside shard_map) --------------------------------------

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -172,17 +172,23 @@ TileOrder = Callable[[int], tuple[int, Callable]]
 def persistent_body(*, pipeline: Pipeline, num_x: int, num_w: int, num_k_steps: int,
                     split_k: int | None, x_tile_rows: int, w_tile_cols: int,
                     scratch: Mapping[str, Any], tile_order: TileOrder, tile_body: TileBody,
-                    no_drain: bool, read_offset: bool = True):
+                    no_drain: bool, read_offset: bool = True,
+                    w_n_axes: Sequence[int] | None = None):
     """Kernel body(meta_4W, [bounds_2C,] *x_refs, *w_refs, *o_refs).
 
-    num_x x refs [M_pad, K_pad] and num_w weight refs [G, ., N] (the pipeline
-    slices x rows [x_row0, x_row0 + x_tile_rows) and weight columns
-    [n_block * w_tile_cols, + w_tile_cols) of group max(group, 0)); every ref
-    after them is an output. A tile runs its matmul when count > 0 and
+    num_x x refs [M_pad, K_pad] and num_w weight refs [G, ., N] (or [G, N, .]
+    where ``w_n_axes``, one axis per weight ref, says N is axis 1; None: all
+    axis 2). The pipeline slices x rows [x_row0, x_row0 + x_tile_rows) and
+    weight N entries [n_block * w_tile_cols, + w_tile_cols) of group
+    max(group, 0); every ref after them is an output. A tile runs its matmul when count > 0 and
     group >= 0 (and, with split-K, its K range has the pipeline's length);
     split_k None: one K range of num_k_steps from step 0.
     """
     lengths = [num_k_steps] if split_k is None else k_range_lengths(num_k_steps, split_k)
+    w_n_axes = tuple(w_n_axes) if w_n_axes is not None else (2,) * num_w
+    if len(w_n_axes) != num_w or not set(w_n_axes) <= {1, 2}:
+        raise ValueError(f"w_n_axes must give axis 1 or 2 for each of {num_w} weight refs, "
+                         f"got {w_n_axes}")
 
     def body(meta_gmem, *refs):
         bounds_gmem, refs = (refs[0], refs[1:]) if no_drain else (None, refs)
@@ -232,7 +238,9 @@ def persistent_body(*, pipeline: Pipeline, num_x: int, num_w: int, num_k_steps: 
                             pipeline.emit(mma, compute_context, length, first_k_step=first,
                                           pipeline_state=pipeline_state)(
                                 *[x.at[rows, :] for x in x_gmems],
-                                *[w.at[jnp.maximum(group, 0), :, cols] for w in w_gmems],
+                                *[w.at[jnp.maximum(group, 0), :, cols] if axis == 2
+                                  else w.at[jnp.maximum(group, 0), cols, :]
+                                  for w, axis in zip(w_gmems, w_n_axes)],
                                 allocations=allocs)
 
                         if no_drain:  # one switch: no value stays live across the states

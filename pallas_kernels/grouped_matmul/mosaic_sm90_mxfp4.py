@@ -4,33 +4,35 @@ Same products and schedule as mosaic_sm90.py, on the shared persistent loop
 (mosaic_skeleton.persistent_body, split_k = 1, tiles drain):
   * ``grouped_matmul_mxfp4``:   y_MN = x_MK @ W[group(row)]
   * ``grouped_situ_glu_mxfp4``: h_MN = situ_glu(x @ W_gate[g], x @ W_up[g])
-with W an ``Mxfp4Weights`` (packed_GKN uint8 [G, K/2, N], scale_GKN uint8
-[G, K/32, N], k3jax's stored layout: no load-time rearrangement).
+with W an ``Mxfp4Weights`` (packed_GNK uint8 [G, N, K/2]: the checkpoint's
+[out, in] orientation, as the loader places it; scale_GKN uint8 [G, K/32, N]).
 
 Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
-x tile [64, 128] bf16 (K-permuted, below) and, per weight, the packed codes [64, block_n] uint8
-and the scales [4, block_n] uint8: the packed bytes are all the weight
-traffic. The consumer warpgroup loads the codes as one [64, 32-column chunk]
-array in the WGMMA register layout, in which warp w holds rows 16w..16w+15 =
-scale block w (so each scale row is loaded once as a column vector,
-broadcast, and picked per row block by a binary tree of three selects),
-dequantizes them into a bf16 [128, block_n] SMEM tile of its own, fences it
-(commit_smem) and issues the bf16 WGMMA from SMEM. One consumer warpgroup,
-64-row tiles (see PLAIN / FUSED).
+x tile [64, 128] bf16 (K-permuted, below) and, per weight, the packed codes
+[block_n, 64] uint8 (64 contiguous bytes of each weight row) and the scales
+[4, block_n] uint8: the packed bytes are all the weight traffic. The
+consumer warpgroup loads the codes 64 rows at a time as one [64, 64] array
+in the WGMMA register layout, in which register column g holds code bytes
+8g..8g+7 of scale block g // 2 (so which scale a register takes is static,
+and a thread's four blocks x two rows of scale bytes are loaded once per
+chunk), dequantizes them into a bf16 [block_n, 128] SMEM tile of its own,
+fences it (commit_smem) and issues the bf16 WGMMA from SMEM with that tile
+read transposed (WGMMA's MN-major B). One consumer warpgroup, 64-row x
+tiles (see PLAIN / FUSED).
 
-K order. Byte j of a column holds K elements 2j (low nibble) and 2j+1 (high).
+K order. Byte j of a row holds K elements 2j (low nibble) and 2j+1 (high).
 The dequant writes a 128-element K chunk's low nibbles (its even elements) to
-rows 0..63 of the bf16 tile and the high nibbles (odd) to rows 64..127, with
-no in-register interleave. x streams in the same order: the launcher permutes
-each 128-element K chunk of x to its even elements, then its odd ones
-(k_order, one XLA transpose of x: M x K bf16, small beside the weights at
-decode), and the WGMMA reads the pipeline's x tile as it lands.
+columns 0..63 of the bf16 tile and the high nibbles (odd) to columns
+64..127, with no in-register interleave. x streams in the same order: the
+launcher permutes each 128-element K chunk of x to its even elements, then
+its odd ones (k_order, one XLA transpose of x: M x K bf16, small beside the
+weights at decode), and the WGMMA reads the pipeline's x tile as it lands.
 
 Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
 over the scale bytes, 1/16 of the packed bytes):
   * fast (``..._mxfp4_m64``): fast_dequant_tile, pallas_kernels.mxfp4_fast's
     bit sequence per packed register (inline PTX, mxfp4_dequant.fast_chunk;
-    the jnp emulation of the same ops in interpret mode), column chunks
+    the jnp emulation of the same ops in interpret mode), 64-row chunks
     unrolled. Exact when every scale byte is in FAST_SCALES (2..128).
   * exact (``..._mxfp4_exact_m64``): dequant_tile below, for weights with any
     scale byte outside FAST_SCALES (0, 1, 129..254, 255).
@@ -45,7 +47,7 @@ the same bits:
     magnitude: the float32 with bits ((c & 7) << 22) + (126 << 23) is
       2**(e - 1) * (1 + m / 2), the E2M1 magnitude for e >= 1; codes 0 / 1
       (0.5 / 0.75 there) are corrected to 0 / 0.5 by 2x - 1 and a select;
-    scale: per column, the int bits of 2**(max(b, 1) - 127) (a NaN for
+    scale: per row and block, the int bits of 2**(max(b, 1) - 127) (a NaN for
       b = 255) with bit 0 flagging b = 0, whose magnitudes are halved;
     value = magnitude * scale (overflow -> inf), < 2**-126 -> 0, the code's
       sign or-ed into the bits, cvt to bf16 (exact: <= 2 significant bits).
@@ -75,10 +77,8 @@ from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Wei
 from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.situ import situ_glu_f32
 
-BLOCK_K = 128          # K elements per pipeline step: 64 packed rows, 4 scale rows
-_HALF = BLOCK_SIZE // 2   # packed rows per scale block (16)
-DEQUANT_COLS = 32         # columns dequantized at a time (registers: 16 per int32 array; 16
-                          # has no bank-conflict-free SMEM transfer for uint8)
+BLOCK_K = 128          # K elements per pipeline step: 64 code bytes a row, 4 scale rows
+_HALF = BLOCK_SIZE // 2   # code bytes per scale block (16)
 EPILOGUE_COLS = 32   # fused SiTU epilogue: columns per chunk (registers)
 
 
@@ -110,47 +110,44 @@ def dequant_nibbles(codes, scale_bits_):
 
 
 def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
-    """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [64, block_n]
-    and scales uint8 [4, block_n] (SMEM) -> bf16 [128, block_n] in w_smem: the
-    low nibbles (even K elements) in rows 0..63, the high nibbles (odd) in rows
-    64..127 (k_order puts x's K in the same order).
+    """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [block_n, 64]
+    (weight rows n by code bytes) and scales uint8 [4, block_n] (SMEM) -> bf16
+    [block_n, 128] in w_smem: row n's low nibbles (even K elements) in
+    columns 0..63, its high nibbles (odd) in 64..127 (k_order puts x's K in
+    the same order).
 
-    The codes are one [64, block_n] array in the WGMMA register layout, in
-    which warp w holds rows 16w..16w+15: exactly scale block w. Each scale
-    row's bits are computed once per column (a WGMMA column vector) and
-    broadcast; a binary tree of three selects on the row block picks the
-    warp's row."""
+    [64, 32] pieces (64 rows, the 32 code bytes of two scale blocks) in the
+    WGMMA register layout, unrolled: each of the two blocks' scale bits is
+    one WGMMA row vector, broadcast along the row and picked per column by
+    one select."""
     wgmma = plgpu.Layout.WGMMA
-    rows = BLOCK_K // 2
-    cols = min(DEQUANT_COLS, block_n)
-    block_of_row = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) // _HALF
-    @pl.loop(0, block_n // cols)   # column chunks, a real loop: fewer live registers
-    def _chunk(c):
-        chunk = pl.ds(pl.multiple_of(c * cols, cols), cols)
-        blk_bits = [jnp.broadcast_to(scale_bits(plgpu.load(scale_smem.at[blk, chunk],
-                                                           layout=wgmma.reduce(0)))[None, :],
-                                     (rows, cols)) for blk in range(BLOCK_K // BLOCK_SIZE)]
-        odd_block = (block_of_row & 1) != 0       # two masks: a binary tree of selects
-        high_half = block_of_row >= 2
-        bits = jnp.where(high_half, jnp.where(odd_block, blk_bits[3], blk_bits[2]),
-                         jnp.where(odd_block, blk_bits[1], blk_bits[0]))
-        packed = plgpu.load(packed_smem.at[:, chunk], layout=wgmma).astype(jnp.int32)
-        w_smem[pl.ds(0, rows), chunk] = dequant_nibbles(packed & 0xF, bits)
-        w_smem[pl.ds(rows, rows), chunk] = dequant_nibbles(packed >> 4, bits)
+    rows, cols = mxfp4_dequant.ROWS, mxfp4_dequant.BYTES // 2
+    first_block = lax.broadcasted_iota(jnp.int32, (rows, cols), 1) < _HALF
+    for r in range(block_n // rows):
+        row_chunk = pl.ds(r * rows, rows)
+        for half in range(2):
+            bits = [jnp.broadcast_to(scale_bits(plgpu.load(scale_smem.at[2 * half + b, row_chunk],
+                                                           layout=wgmma.reduce(1)))[:, None],
+                                     (rows, cols)) for b in range(2)]
+            bits = jnp.where(first_block, bits[0], bits[1])
+            packed = plgpu.load(packed_smem.at[row_chunk, pl.ds(half * cols, cols)],
+                                layout=wgmma).astype(jnp.int32)
+            w_smem[row_chunk, pl.ds(half * cols, cols)] = dequant_nibbles(packed & 0xF, bits)
+            w_smem[row_chunk, pl.ds(BLOCK_K // 2 + half * cols, cols)] = \
+                dequant_nibbles(packed >> 4, bits)
 
 
 def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
-    """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk):
-    exact when every scale byte of the step is in mxfp4_fast.FAST_SCALES."""
-    rows = BLOCK_K // 2
-    cols = min(DEQUANT_COLS, block_n)
-
-    for c in range(block_n // cols):   # unrolled: no inner loop on the fast path
-        chunk = pl.ds(c * cols, cols)
-        packed = plgpu.load(packed_smem.at[:, chunk], layout=plgpu.Layout.WGMMA)
-        lo, hi = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, chunk], interpret)
-        w_smem[pl.ds(0, rows), chunk] = lo
-        w_smem[pl.ds(rows, rows), chunk] = hi
+    """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk),
+    64 rows at a time, unrolled: exact when every scale byte of the step is
+    in mxfp4_fast.FAST_SCALES."""
+    rows, half = mxfp4_dequant.ROWS, BLOCK_K // 2
+    for r in range(block_n // rows):
+        row_chunk = pl.ds(r * rows, rows)
+        packed = plgpu.load(packed_smem.at[row_chunk, :], layout=plgpu.Layout.WGMMA)
+        lo, hi = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, row_chunk], interpret)
+        w_smem[row_chunk, pl.ds(0, half)] = lo
+        w_smem[row_chunk, pl.ds(half, half)] = hi
 
 
 def k_order(x_MK: jax.Array) -> jax.Array:
@@ -163,11 +160,11 @@ def k_order(x_MK: jax.Array) -> jax.Array:
 
 def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
     """Per K step: ``planes`` bf16 x tiles [block_m, BLOCK_K] (k_order)
-    and, per weight, packed [BLOCK_K / 2, block_n] + scale [BLOCK_K / 32,
+    and, per weight, packed [block_n, BLOCK_K / 2] + scale [BLOCK_K / 32,
     block_n] uint8 tiles."""
     def in_specs(_first_k_step):
         x_spec = plgpu.BlockSpec((cfg.block_m, BLOCK_K), lambda k: (0, k))
-        packed_spec = plgpu.BlockSpec((BLOCK_K // 2, cfg.block_n), lambda k: (k, 0))
+        packed_spec = plgpu.BlockSpec((cfg.block_n, BLOCK_K // 2), lambda k: (0, k))
         scale_spec = plgpu.BlockSpec((BLOCK_K // BLOCK_SIZE, cfg.block_n), lambda k: (k, 0))
         return [x_spec] * planes + [packed_spec, scale_spec] * num_w
     return skeleton.Pipeline(in_specs, cfg.num_compute_wgs, cfg.max_concurrent_steps,
@@ -177,7 +174,7 @@ def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileConfig,
                num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype,
                fast: bool, interpret: bool):
-    """Kernel body(meta_4W, *x_planes_MK, (packed_GKN, scale_GKN) * num_w, o_MN).
+    """Kernel body(meta_4W, *x_planes_MK, (packed_GNK, scale_GKN) * num_w, o_MN).
 
     The row-major loop (split_k = 1, tiles drain) with the weight operand
     dequantized per K step into a bf16 SMEM tile per consumer warpgroup and
@@ -185,7 +182,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
     wg_m = cfg.wg_block_m
     scratch = {
         "o_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
-        "w_smem": plgpu.SMEM((cfg.num_compute_wgs * num_w, BLOCK_K, cfg.block_n), jnp.bfloat16),
+        "w_smem": plgpu.SMEM((cfg.num_compute_wgs * num_w, cfg.block_n, BLOCK_K), jnp.bfloat16),
     }
     if num_w == 2:  # the fused tile's gate products are staged in f32 SMEM (its epilogue)
         scratch["g_smem"] = plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), jnp.float32)
@@ -228,7 +225,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
                         dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
                     for x_tile in x_tiles[::-1]:   # lo plane (if any) first
-                        plgpu.wgmma(acc, x_tile, tile)
+                        plgpu.wgmma(acc, x_tile, tile.transpose((1, 0)))   # [K, N] from [N, K]
             # The pipeline slot is released when this step returns, and the
             # dequantized tile is rewritten next step: WGMMAs must be done with both.
             plgpu.wgmma_wait(0)
@@ -265,7 +262,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
         pipeline=pipeline(cfg, num_w, planes), num_x=planes, num_w=2 * num_w,
         num_k_steps=num_k_steps, split_k=None, x_tile_rows=cfg.block_m,
         w_tile_cols=cfg.block_n, scratch=scratch, tile_order=tile_order, tile_body=tile_body,
-        no_drain=False)
+        no_drain=False, w_n_axes=(1, 2) * num_w)
 
 
 def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: int) -> int:
@@ -328,7 +325,7 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dty
     cfg = cfg or default_config(num_weights)
     if cfg.split_k != 1:
         raise ValueError(f"the MXFP4 kernel has no split-K, got split_k={cfg.split_k}")
-    min_n = max(tiling.MIN_BLOCK, 128 // out_bytes)
+    min_n = mxfp4_dequant.ROWS   # the codes' dequant runs on 64-row WGMMA chunks
     cfg = dataclasses.replace(cfg, block_k=BLOCK_K,
                               block_n=tiling.block_for(n, cfg.block_n, min_n))
     fits = functools.partial(smem_bytes, num_weights=num_weights, planes=planes,
@@ -348,9 +345,9 @@ def needs_exact(scales: list[jax.Array]) -> jax.Array:
 
 
 def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
-    """(packed, scale) zero-padded to [G, k_pad/2, n_pad] / [G, k_pad/32, n_pad]
+    """(packed, scale) zero-padded to [G, n_pad, k_pad/2] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
-    packed = tiling.pad_axis(tiling.pad_axis(w.packed_GKN, 1, k_pad // 2), 2, n_pad)
+    packed = tiling.pad_axis(tiling.pad_axis(w.packed_GNK, 2, k_pad // 2), 1, n_pad)
     scale = w.scale_GKN
     if scale.shape[1:] != (k_pad // BLOCK_SIZE, n_pad):
         scale = jnp.pad(scale, [(0, 0), (0, k_pad // BLOCK_SIZE - scale.shape[1]),

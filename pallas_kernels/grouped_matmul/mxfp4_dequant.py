@@ -2,18 +2,20 @@
 sequence) in its WGMMA register layout, on the GPU (inline PTX through
 plgpu.inline_mgpu) and in interpret mode (the jnp emulation of the same ops).
 
-    exact = needs_exact(scale_smems, flag_smem, interpret)   # K step, uniform
-    lo, hi = fast_chunk(packed_MC, scale_smem, interpret)
+    lo, hi = fast_chunk(packed_RC, scale_smem, interpret)
 
-Layout. ``packed_MC`` is uint8 [64, C] (C = DEQUANT_COLS, one column chunk of
-a K step's packed tile) in plgpu.Layout.WGMMA: warp w of the consumer
-warpgroup holds rows 16w..16w+15 (exactly scale block w), each thread two
-rows (r, r + 8) x C/8 registers of two adjacent columns (c, c+1) = one
-``q``. The thread loads its warp's scale bytes of (c, c+1) once per register
-column (``sv``), shared by both rows. lo / hi: bf16 [64, C] in the same
-layout, the low nibbles (even K) and the high ones (odd K). Exact for scale
-bytes in mxfp4_fast.FAST_SCALES only: the launcher runs the exact kernel
-when any byte is outside (mosaic_sm90_mxfp4.needs_exact).
+Layout. ``packed_RC`` is uint8 [64, 64]: 64 rows of a K step's packed tile
+(weight columns n, the stored [out, in] orientation) by its 64 code bytes
+(128 K elements), in plgpu.Layout.WGMMA. Warp w of the consumer warpgroup
+holds rows 16w..16w+15, each thread two rows (r, r + 8) x 8 registers of two
+adjacent bytes (c, c+1) = one ``q``, c = 8g + 2 (lane % 4) in register
+column g. Byte c lies in scale block c // 16, so register column g takes
+block g // 2: which scale a register needs is static. The thread loads its
+two rows' four scale bytes (``scale_smem`` uint8 [4, 64]: block x row) and
+builds each bf16x2 scale once. lo / hi: bf16 [64, 64] in the same layout,
+the low nibbles (even K of each byte) and the high ones (odd K). Exact for
+scale bytes in mxfp4_fast.FAST_SCALES only: the launcher runs the exact
+kernel when any byte is outside (mosaic_sm90_mxfp4.needs_exact).
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from jaxlib.mlir.dialects import arith, llvm, vector
 from pallas_kernels import mxfp4_fast as fast
 
 WARPGROUP_THREADS = 128
-_ROWS = 64                 # packed rows of one K step (BLOCK_K / 2)
-_BLOCK_ROWS = 16           # packed rows per scale block
+ROWS = 64                  # weight rows a chunk holds (one WGMMA row tile)
+BYTES = 64                 # code bytes a row of a K step holds (BLOCK_K / 2)
+_BLOCK_BYTES = 16          # code bytes per scale block
+_NUM_BLOCKS = BYTES // _BLOCK_BYTES
+_REGISTERS = (1, BYTES // 8, 1, 1, 2, 1, 1, 1, 1)   # WGMMA registers of [64, 64]: (g, row half)
 
 _PAIR_ASM = fast.ptx(fast.SEQUENCE, fast.INPUTS["SEQUENCE"], fast.OUTPUTS["SEQUENCE"])
 _SCALE_ASM = fast.ptx(fast.SCALE_SEQUENCE, fast.INPUTS["SCALE_SEQUENCE"],
@@ -63,9 +68,9 @@ def _asm(asm: str, n_out: int, *args):
     return [llvm.extractvalue(i32, out, [i]) for i in range(n_out)]
 
 
-def _fast_chunk_mgpu(cols: int):
+def _fast_chunk_mgpu():
     wgmma = plgpu.Layout.WGMMA
-    out_t = plgpu.ShapeDtypeStruct((_ROWS, cols), jnp.bfloat16, layout=wgmma)
+    out_t = plgpu.ShapeDtypeStruct((ROWS, BYTES), jnp.bfloat16, layout=wgmma)
 
     @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType()), return_type=(out_t, out_t))
     def chunk(_ctx, packed, scale_ref):
@@ -73,18 +78,23 @@ def _fast_chunk_mgpu(cols: int):
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         tid = mgpu_utils.thread_idx()
         warp = arith.remui(arith.divui(tid, _i32(32)), _i32(WARPGROUP_THREADS // 32))
-        pair_col = arith.muli(arith.remui(tid, _i32(4)), _i32(2))   # c within 8 columns
+        row0 = arith.addi(arith.muli(warp, _i32(16)),
+                          arith.divui(arith.remui(tid, _i32(32)), _i32(4)))   # 16w + lane / 4
         regs = packed.registers
-        if regs.shape[1] * 8 != cols or regs.size != 2 * regs.shape[1]:
-            raise ValueError(f"unexpected WGMMA registers {regs.shape} for [{_ROWS}, {cols}]")
-        scales = []
-        for g in range(regs.shape[1]):   # register column g: columns 8g + c, +1
-            col = arith.addi(pair_col, _i32(8 * g))
-            sv = vector.load(ir.VectorType.get((2,), i8), scale_ref, [_index(warp), _index(col)])
-            scales.append(_asm(_SCALE_ASM, 1, _word(sv))[0])
+        if regs.shape != _REGISTERS:
+            raise ValueError(f"unexpected WGMMA registers {regs.shape} for [{ROWS}, {BYTES}] "
+                             f"(expected {_REGISTERS})")
+        scales = {}   # (block, row half) -> bf16x2 scale
+        for blk in range(_NUM_BLOCKS):
+            for half in range(2):
+                row = arith.addi(row0, _i32(8 * half))
+                sv = vector.load(ir.VectorType.get((1,), i8), scale_ref, [_index(_i32(blk)),
+                                                                          _index(row)])
+                scales[blk, half] = _asm(_SCALE_ASM, 1, _word(sv))[0]
         lo, hi = np.empty_like(regs), np.empty_like(regs)
-        for idx in np.ndindex(regs.shape):
-            lo_w, hi_w = _asm(_PAIR_ASM, 2, _word(regs[idx]), scales[idx[1]])
+        for idx in np.ndindex(regs.shape):   # idx[1]: register column g, idx[4]: row half
+            s = scales[idx[1] * 8 // _BLOCK_BYTES, idx[4]]
+            lo_w, hi_w = _asm(_PAIR_ASM, 2, _word(regs[idx]), s)
             lo[idx] = mgpu_utils.bitcast(lo_w, bf16x2)
             hi[idx] = mgpu_utils.bitcast(hi_w, bf16x2)
         return (mgpu.FragmentedArray(_registers=lo, _layout=packed.layout, _is_signed=None),
@@ -93,26 +103,28 @@ def _fast_chunk_mgpu(cols: int):
     return chunk
 
 
-def _fast_chunk_emulated(packed_MC, scale_smem):
-    cols = packed_MC.shape[1]
-    scale_RC = jnp.repeat(scale_smem[...], _BLOCK_ROWS, axis=0)
-    p, s = packed_MC.astype(jnp.uint32), scale_RC.astype(jnp.uint32)
-    lo, hi = fast.dequant_words(p[:, 0::2] | (p[:, 1::2] << 8), s[:, 0::2] | (s[:, 1::2] << 8))
+def _fast_chunk_emulated(packed_RC, scale_smem):
+    p = packed_RC.astype(jnp.uint32)
+    sv = jnp.repeat(scale_smem[...].T, _BLOCK_BYTES // 2, axis=1).astype(jnp.uint32)  # [64, 32]
+    lo, hi = fast.dequant_words(p[:, 0::2] | (p[:, 1::2] << 8), sv)
 
-    def unpair(w):   # [64, C/2] bf16x2 words -> bf16 [64, C]
-        lanes = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).reshape(_ROWS, cols)
+    def unpair(w):   # [64, 32] bf16x2 words -> bf16 [64, 64]
+        lanes = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).reshape(ROWS, BYTES)
         return lax.bitcast_convert_type(lanes.astype(jnp.uint16), jnp.bfloat16)
 
     return unpair(lo), unpair(hi)
 
 
-def fast_chunk(packed_MC, scale_smem, interpret: bool):
-    """uint8 [64, C] codes (WGMMA layout) of C columns of a K step and their
-    uint8 [4, C] scales (an SMEM ref) -> (lo, hi) bf16 [64, C]. Exact for
-    scale bytes in mxfp4_fast.FAST_SCALES (the caller checks)."""
+def fast_chunk(packed_RC, scale_smem, interpret: bool):
+    """uint8 [64, 64] codes (WGMMA layout) of 64 weight rows of a K step and
+    their uint8 [4, 64] scales (an SMEM ref: block x row) -> (lo, hi) bf16
+    [64, 64]: lo[r, c] is K element 2c of row r, hi[r, c] element 2c + 1.
+    Exact for scale bytes in mxfp4_fast.FAST_SCALES (the caller checks)."""
+    if packed_RC.shape != (ROWS, BYTES):
+        raise ValueError(f"fast_chunk takes codes [{ROWS}, {BYTES}], got {packed_RC.shape}")
     if interpret:
-        return _fast_chunk_emulated(packed_MC, scale_smem)
-    return _fast_chunk_mgpu(packed_MC.shape[1])(packed_MC, scale_smem)
+        return _fast_chunk_emulated(packed_RC, scale_smem)
+    return _fast_chunk_mgpu()(packed_RC, scale_smem)
 
 
-__all__ = ["fast_chunk"]
+__all__ = ["BYTES", "ROWS", "fast_chunk"]

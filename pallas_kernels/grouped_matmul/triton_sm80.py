@@ -9,12 +9,14 @@ Two products, one kernel body (``_grouped_body``):
     SiTU epilogue runs on those registers (no 2N-wide intermediate in HBM).
 Each has an MXFP4 twin (``*_mxfp4``) taking the weights as packed E2M1 codes
 and UE8M0 scales (docs/spec.md §3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
-them (``ExpertStorage.MXFP4``): w_packed_GHN uint8 [G, K/2, N] packed along K
-(low nibble = row 2j, high nibble = row 2j+1) and w_scale_GSN uint8
-[G, K/32, N]. The weight tile is dequantized in registers (shifts and
-masks build the float32 bits of each E2M1 value, times 2**(byte - 127), the
-same float32 math as ``dequant``, so bit-identical to it) and fed to a
-bf16 tensor-core dot: W4A16. (``tl.dot_scaled`` would need triton 3.9.)
+them (``ExpertStorage.MXFP4``, ``mxfp4.Mxfp4Weights``): w_packed_GNH uint8
+[G, N, K/2] (H = K/2; the checkpoint's [out, in] orientation, each column n's
+K/2 bytes contiguous), packed along K (low nibble = row 2j, high nibble =
+row 2j+1), and w_scale_GSN uint8 [G, K/32, N] (S = K/32). The weight tile
+is dequantized in registers (shifts and masks build the float32 bits of
+each E2M1 value, times 2**(byte - 127), the same float32 math as
+``dequant``, so bit-identical to it) and fed to a bf16 tensor-core dot:
+W4A16. (``tl.dot_scaled`` would need triton 3.9.)
 
 Scheduling: the Mosaic kernels' work items (``schedule.work_items_4W``:
 int32 [4, W] = group or -1 for the tail, the first x row of the item's tile,
@@ -153,19 +155,22 @@ def _dense_w_tile(w_ptr, group, k0, cols, K: tl.constexpr, N: tl.constexpr,
 @triton.jit
 def _mxfp4_w_tile(packed_ptr, scale_ptr, group, k0, cols, K: tl.constexpr, N: tl.constexpr,
                   BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The same tile dequantized from packed [G, K/2, N] and scales [G, K/32, N]."""
-    col_ok = cols[None, :] < N
+    """The same tile dequantized from packed [G, N, K/2] (byte (g, n, h) at
+    g*N*K/2 + n*K/2 + h: rows 2h and 2h+1) and scales [G, K/32, N]."""
     halves = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed_base = packed_ptr + group.to(tl.int64) * (K // 2 * N)
-    packed = tl.load(packed_base + halves[:, None] * N + cols[None, :],
-                     mask=(halves[:, None] < K // 2) & col_ok, other=0).to(tl.int32)
-    # rows 2j (low nibble) and 2j+1 (high nibble): interleave along K
-    codes = tl.trans(tl.interleave(tl.trans(packed & 15), tl.trans(packed >> 4)))
-    ks = k0 + tl.arange(0, BLOCK_K)
+    tile_ok = (cols[:, None] < N) & (halves[None, :] < K // 2)
+    packed_base = packed_ptr + group.to(tl.int64) * (N * (K // 2))
+    packed_NH = tl.load(packed_base + cols[:, None] * (K // 2) + halves[None, :],
+                        mask=tile_ok, other=0).to(tl.int32)
+    # rows 2h and 2h+1 share the scale of block 2h // 32 = h // 16
     scale_base = scale_ptr + group.to(tl.int64) * (K // 32 * N)
-    scales = tl.load(scale_base + (ks // 32)[:, None] * N + cols[None, :],
-                     mask=(ks[:, None] < K) & col_ok, other=127).to(tl.int32)
-    return _e2m1_ue8m0(codes, scales).to(dtype)
+    scales_NH = tl.load(scale_base + (halves // 16)[None, :] * N + cols[:, None],
+                        mask=tile_ok, other=127).to(tl.int32)
+    # low nibble = row 2h, high nibble = row 2h+1: decode each, interleave along K
+    # (the decode is elementwise, so the order changes no bit), then [BLOCK_K, BLOCK_N]
+    even_NH = _e2m1_ue8m0(packed_NH & 15, scales_NH).to(dtype)
+    odd_NH = _e2m1_ue8m0(packed_NH >> 4, scales_NH).to(dtype)
+    return tl.trans(tl.interleave(even_NH, odd_NH))
 
 
 @triton.jit
@@ -231,7 +236,7 @@ def grouped_matmul_mxfp4_kernel(x_ptr, w_packed_ptr, w_scale_ptr, meta_ptr, o_pt
                                 K: tl.constexpr, N: tl.constexpr, NUM_ITEMS: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """As grouped_matmul_kernel with MXFP4 w: packed [G, K/2, N], scales [G, K/32, N]."""
+    """As grouped_matmul_kernel with MXFP4 w: packed [G, N, K/2], scales [G, K/32, N]."""
     _grouped_body(x_ptr, w_packed_ptr, w_scale_ptr, w_packed_ptr, w_scale_ptr, meta_ptr, o_ptr,
                   K, N, NUM_ITEMS, BLOCK_M, BLOCK_N, BLOCK_K, False, True, PRECISION,
                   1.0, False, 1.0)
@@ -320,21 +325,21 @@ def _call(launch: LaunchPlan, x_MK, weights: list[jax.Array], group_sizes_G, n: 
         compute_capability=target_capability(), name=launch.name, **launch.constexprs)
 
 
-def _check_mxfp4(name: str, packed_GHN, scale_GSN, k: int, n: int, g: int,
+def _check_mxfp4(name: str, packed_GNH, scale_GSN, k: int, n: int, g: int,
                  group_sizes_G) -> None:
     """ValueError naming the culprit unless the MXFP4 pair fits x's K and G groups."""
     if group_sizes_G.shape != (g,) or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
         raise ValueError(f"{name}: group_sizes_G must be int [G={g}], got "
                          f"{group_sizes_G.dtype}{list(group_sizes_G.shape)}")
-    if packed_GHN.dtype != jnp.uint8 or scale_GSN.dtype != jnp.uint8:
+    if packed_GNH.dtype != jnp.uint8 or scale_GSN.dtype != jnp.uint8:
         raise ValueError(f"{name}: MXFP4 packed codes and scales must be uint8, got "
-                         f"{packed_GHN.dtype} and {scale_GSN.dtype}")
+                         f"{packed_GNH.dtype} and {scale_GSN.dtype}")
     if k % 32:
         raise ValueError(f"{name}: MXFP4 needs K a multiple of 32, got K={k}")
-    if packed_GHN.shape != (g, k // 2, n) or scale_GSN.shape != (g, k // 32, n):
-        raise ValueError(f"{name}: MXFP4 weights must be packed [G, K/2, N] = {[g, k // 2, n]} "
+    if packed_GNH.shape != (g, n, k // 2) or scale_GSN.shape != (g, k // 32, n):
+        raise ValueError(f"{name}: MXFP4 weights must be packed [G, N, K/2] = {[g, n, k // 2]} "
                          f"and scales [G, K/32, N] = {[g, k // 32, n]}, got "
-                         f"{list(packed_GHN.shape)} and {list(scale_GSN.shape)}")
+                         f"{list(packed_GNH.shape)} and {list(scale_GSN.shape)}")
 
 
 # -- entry points (same signatures as mosaic_sm90's, minus interpret) ---------------
@@ -362,33 +367,34 @@ def grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, *, beta: float,
                  group_sizes_G, n)
 
 
-def grouped_matmul_mxfp4(x_MK, w_packed_GHN, w_scale_GSN, group_sizes_G, *,
+def grouped_matmul_mxfp4(x_MK, w_packed_GNH, w_scale_GSN, group_sizes_G, *,
                          config: TritonTiles | None = None):
-    """y_MN = x_MK @ decode(w)[group(row)]; w as MXFP4 packed uint8 [G, K/2, N]
-    (H = K/2) and UE8M0 scales uint8 [G, K/32, N] (S = K/32), dequantized in
-    the kernel. x bf16 or float32; tail rows are 0."""
-    (m, k), (g, _, n) = x_MK.shape, w_packed_GHN.shape
-    _check_mxfp4("grouped_matmul_mxfp4 w", w_packed_GHN, w_scale_GSN, k, n, g, group_sizes_G)
+    """y_MN = x_MK @ decode(w)[group(row)]; w as MXFP4 packed uint8 [G, N, K/2]
+    (H = K/2, packed along K: Mxfp4Weights.packed_GNK) and UE8M0 scales uint8
+    [G, K/32, N] (S = K/32), dequantized in the kernel. x bf16 or float32;
+    tail rows are 0."""
+    (m, k), (g, _, n) = x_MK.shape, w_scale_GSN.shape
+    _check_mxfp4("grouped_matmul_mxfp4 w", w_packed_GNH, w_scale_GSN, k, n, g, group_sizes_G)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
     launch = plan(num_rows=m, k=k, n=n, num_groups=g, x_dtype=x_MK.dtype, fused=False,
                   mxfp4=True, tiles=config)
-    return _call(launch, x_MK, [w_packed_GHN, w_scale_GSN], group_sizes_G, n)
+    return _call(launch, x_MK, [w_packed_GNH, w_scale_GSN], group_sizes_G, n)
 
 
-def grouped_situ_glu_mxfp4(x_MK, gate_packed_GHN, gate_scale_GSN, up_packed_GHN, up_scale_GSN,
+def grouped_situ_glu_mxfp4(x_MK, gate_packed_GNH, gate_scale_GSN, up_packed_GNH, up_scale_GSN,
                            group_sizes_G, *, beta: float, linear_beta: float | None,
                            config: TritonTiles | None = None):
     """h_MN = situ_glu(x @ decode(gate)[g], x @ decode(up)[g]), MXFP4 gate / up
     as in grouped_matmul_mxfp4; tail rows are 0."""
-    (m, k), (g, _, n) = x_MK.shape, gate_packed_GHN.shape
-    _check_mxfp4("grouped_situ_glu_mxfp4 gate", gate_packed_GHN, gate_scale_GSN, k, n, g,
+    (m, k), (g, _, n) = x_MK.shape, gate_scale_GSN.shape
+    _check_mxfp4("grouped_situ_glu_mxfp4 gate", gate_packed_GNH, gate_scale_GSN, k, n, g,
                  group_sizes_G)
-    _check_mxfp4("grouped_situ_glu_mxfp4 up", up_packed_GHN, up_scale_GSN, k, n, g,
+    _check_mxfp4("grouped_situ_glu_mxfp4 up", up_packed_GNH, up_scale_GSN, k, n, g,
                  group_sizes_G)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
     launch = plan(num_rows=m, k=k, n=n, num_groups=g, x_dtype=x_MK.dtype, fused=True,
                   mxfp4=True, beta=beta, linear_beta=linear_beta, tiles=config)
-    return _call(launch, x_MK, [gate_packed_GHN, gate_scale_GSN, up_packed_GHN, up_scale_GSN],
+    return _call(launch, x_MK, [gate_packed_GNH, gate_scale_GSN, up_packed_GNH, up_scale_GSN],
                  group_sizes_G, n)

@@ -62,7 +62,7 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
 
     def weight():
         if config.w_dtype == MXFP4:
-            packed = jax.random.randint(next(keys), (g, k // 2, n), 0, 256, jnp.int32)
+            packed = jax.random.randint(next(keys), (g, n, k // 2), 0, 256, jnp.int32)
             scales = jax.random.randint(next(keys), (g, k // 32, n), 123, 128, jnp.int32)
             return Mxfp4Weights(packed.astype(jnp.uint8), scales.astype(jnp.uint8))
         w = jax.random.normal(next(keys), (g, k, n), jnp.float32) / np.sqrt(max(k, 1))
@@ -104,11 +104,11 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
         k = api.triton_kernels()
         b = dict(beta=config.beta, linear_beta=config.linear_beta)
         if config.w_dtype == MXFP4 and config.op == "grouped_matmul":
-            return lambda x, ws, gs: k.grouped_matmul_mxfp4(x, ws[0].packed_GKN, ws[0].scale_GKN,
+            return lambda x, ws, gs: k.grouped_matmul_mxfp4(x, ws[0].packed_GNK, ws[0].scale_GKN,
                                                             gs, config=t)
         if config.w_dtype == MXFP4:
             return lambda x, ws, gs: k.grouped_situ_glu_mxfp4(
-                x, ws[0].packed_GKN, ws[0].scale_GKN, ws[1].packed_GKN, ws[1].scale_GKN, gs,
+                x, ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK, ws[1].scale_GKN, gs,
                 config=t, **b)
         if config.op == "grouped_matmul":
             return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)

@@ -75,6 +75,14 @@ def grouped_inputs(seed: int, m: int, k: int, n: int, g: int, dtype, num_weights
     return x, ws
 
 
+def mxfp4_from_kn(packed_GKN, scale_GKN):
+    """Mxfp4Weights from codes packed along axis 1 of [G, K/2, N] (the layout
+    the tests' numpy decoders read) and scales [G, K/32, N]: the codes are
+    moved to the container's [G, N, K/2]."""
+    from pallas_kernels.mxfp4 import Mxfp4Weights
+    return Mxfp4Weights(jnp.swapaxes(jnp.asarray(packed_GKN), 1, 2), jnp.asarray(scale_GKN))
+
+
 def group_pattern(name: str, m: int, g: int) -> np.ndarray:
     """int32 [g] group sizes for a named pattern over m rows."""
     if name == "uniform":

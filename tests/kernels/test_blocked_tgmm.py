@@ -185,7 +185,7 @@ def test_xla_grads_match_float64(case, dtype):
 
 
 def _random_mxfp4(rng, g, k, n):
-    return Mxfp4Weights(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
+    return Mxfp4Weights(jnp.asarray(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)),
                         jnp.asarray(rng.integers(120, 132, (g, k // 32, n), dtype=np.uint8)))
 
 
@@ -238,7 +238,7 @@ def test_the_backward_allocates_no_dense_expansion():
     # scan would keep one dequantized [K, N] per item as residuals (2x all experts).
     m, n = 256, 512
     x = jax.ShapeDtypeStruct((m, k), BF16)
-    packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, k // 2, n), jnp.uint8),
+    packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
                           jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8))
 
     def fused_x(x, w, s):

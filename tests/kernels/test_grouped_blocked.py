@@ -108,7 +108,7 @@ def test_dequantize_expert_is_the_codec_bit_for_bit():
         ok = ~np.isnan(want)
         np.testing.assert_array_equal(got32[ok].view(np.uint32), want[ok].view(np.uint32))
     assert np.isnan(want[:32, 255]).all() and np.isinf(want).any() and (want[:, :2] == 0).any()
-    weights = Mxfp4Weights(jnp.asarray(packed), jnp.asarray(scale))
+    weights = kc.mxfp4_from_kn(packed, scale)
     assert weights.shape == (1, k, n)
     np.testing.assert_array_equal(np.asarray(weights.dequantize(F32)), _decode_gkn(packed, scale))
 
@@ -123,8 +123,7 @@ def test_mxfp4_weights_match_float64_of_the_decoded_codes(dtype, backend):
     for pattern in ("zeros_skewed", "sum_lt_m"):
         sizes = kc.group_pattern(pattern, m, g)
         xp = kc.poison_tail(x, sizes)
-        wg, wu = Mxfp4Weights(jnp.asarray(pg), jnp.asarray(sg)), Mxfp4Weights(jnp.asarray(pu),
-                                                                               jnp.asarray(su))
+        wg, wu = kc.mxfp4_from_kn(pg, sg), kc.mxfp4_from_kn(pu, su)
         dg, du = _decode_gkn(pg, sg), _decode_gkn(pu, su)
         tol = kc.TOL_F32 if dtype == F32 else kc.TOL_BF16
         y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend=backend))(xp, wg, sizes)
@@ -137,14 +136,17 @@ def test_mxfp4_weights_match_float64_of_the_decoded_codes(dtype, backend):
 def test_mxfp4_weights_are_validated():
     x = jnp.zeros((4, 64), F32)
     sizes = jnp.array([2, 2], jnp.int32)
-    good_p, good_s = jnp.zeros((2, 32, 8), jnp.uint8), jnp.zeros((2, 2, 8), jnp.uint8)
-    with pytest.raises(ValueError, match="w_GKN: MXFP4 packed_GKN and scale_GKN must be uint8"):
+    good_p, good_s = jnp.zeros((2, 8, 32), jnp.uint8), jnp.zeros((2, 2, 8), jnp.uint8)
+    with pytest.raises(ValueError, match="w_GKN: MXFP4 packed_GNK and scale_GKN must be uint8"):
         grouped_matmul(x, Mxfp4Weights(good_p.astype(jnp.int8), good_s), sizes, backend="xla")
-    with pytest.raises(ValueError, match=r"w_up_GKN: MXFP4 packed_GKN \(2, 32, 8\) needs"):
+    with pytest.raises(ValueError, match=r"w_up_GKN: MXFP4 packed_GNK \(2, 8, 32\) needs"):
         grouped_situ_glu(x, Mxfp4Weights(good_p, good_s), Mxfp4Weights(good_p, good_s[:, :1]),
                          sizes, backend="xla", **SITU)
     with pytest.raises(ValueError, match="x_MK K=64 != w_GKN K=32"):
-        grouped_matmul(x, Mxfp4Weights(good_p[:, :16], good_s[:, :1]), sizes, backend="xla")
+        grouped_matmul(x, Mxfp4Weights(good_p[:, :, :16], good_s[:, :1]), sizes, backend="xla")
+    with pytest.raises(ValueError, match=r"packed_GNK \(2, 32, 8\) needs"):   # [G, K/2, N]
+        grouped_matmul(x, Mxfp4Weights(jnp.zeros((2, 32, 8), jnp.uint8), good_s), sizes,
+                       backend="xla")
 
 
 def test_no_dense_expansion():
@@ -158,7 +160,7 @@ def test_no_dense_expansion():
     temp = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="xla")).lower(
         *args).compile().memory_analysis().temp_size_in_bytes
     assert temp < dense_expansion / 16, (temp, dense_expansion)
-    packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, k // 2, n), jnp.uint8),
+    packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
                           jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8))
     temp4 = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="xla")).lower(
         args[0], packed, args[2]).compile().memory_analysis().temp_size_in_bytes

@@ -39,13 +39,14 @@ def _decode_gkn(packed, scale) -> np.ndarray:
 
 
 def _decode_kernel(n: int, path: str = "exact"):
-    """A one-CTA kernel decoding one K step: packed [64, n] and scales [4, n]
-    (TMA to SMEM) -> the decoded bf16 [128, n] tile (to HBM), by
-    mk.dequant_tile (path "exact") or mk.fast_dequant_tile ("fast")."""
+    """A one-CTA kernel decoding one K step: packed [n, 64] (weight rows by
+    code bytes) and scales [4, n] (TMA to SMEM) -> the decoded bf16 [n, 128]
+    tile (to HBM), by mk.dequant_tile (path "exact") or mk.fast_dequant_tile
+    ("fast")."""
     def body(p_gmem, s_gmem, o_gmem):
-        @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((64, n), jnp.uint8),
+        @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((n, 64), jnp.uint8),
                            s_smem=plgpu.SMEM((4, n), jnp.uint8),
-                           w_smem=plgpu.SMEM((128, n), jnp.bfloat16),
+                           w_smem=plgpu.SMEM((n, 128), jnp.bfloat16),
                            p_bar=plgpu.Barrier(), s_bar=plgpu.Barrier())
         def _scope(p_smem, s_smem, w_smem, p_bar, s_bar):
             plgpu.copy_gmem_to_smem(p_gmem, p_smem, p_bar)
@@ -62,7 +63,7 @@ def _decode_kernel(n: int, path: str = "exact"):
 
     interpret_compat.install()
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((128, n), BF16), grid=(1,), grid_names=("x",),
+        body, out_type=jax.ShapeDtypeStruct((n, 128), BF16), grid=(1,), grid_names=("x",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams())
 
@@ -77,7 +78,8 @@ def test_in_kernel_decode_is_the_codec_bit_for_bit():
     # byte (j + 3 col) mod 256 at [j, col]: all 256 bytes (every code pair) in each scale block
     packed = ((np.arange(64)[:, None] * 5 + 3 * np.arange(n)[None, :]) % 256).astype(np.uint8)
     scale = np.stack([np.roll(np.arange(256, dtype=np.uint8), 61 * r) for r in range(4)])
-    got = np.asarray(jax.jit(_decode_kernel(n))(packed, scale).astype(F32))
+    got = np.asarray(jax.jit(_decode_kernel(n))(np.ascontiguousarray(packed.T), scale)
+                     .astype(F32)).T                          # [128, n]: K (kernel order), n
     want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), F32, axis=0))
     want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # even K, then odd
     assert np.array_equal(want, _decode_gkn(packed[None], scale[None])[0]
@@ -103,7 +105,8 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
               + (np.arange(64) % 16)[:, None]).astype(np.uint8)              # [64, n]
     pairs = {(int(b), int(s)) for b, s in zip(packed.ravel(), np.repeat(scale, 16, axis=0).ravel())}
     assert len(pairs) == 256 * len(fast_scales)
-    got = np.asarray(jax.jit(_decode_kernel(n, "fast"))(packed, scale)).view(np.uint16)
+    got = np.asarray(jax.jit(_decode_kernel(n, "fast"))(np.ascontiguousarray(packed.T),
+                                                           scale)).view(np.uint16).T
     want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), BF16, axis=0))
     want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n).view(np.uint16)
     np.testing.assert_array_equal(got, want)
@@ -131,7 +134,7 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     x = kc.normal(jax.random.key(m), (m, k), dtype, scale=0.1)
     sizes = kc.group_pattern(pattern, m, g)
     x = kc.poison_tail(x, sizes)                # NaN rows past sum(sizes) must not leak
-    wg, wu = (Mxfp4Weights(jnp.asarray(p), jnp.asarray(s)) for p, s in ((pg, sg), (pu, su)))
+    wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
     dg, du = _decode_gkn(pg, sg), _decode_gkn(pu, su)
     tol = kc.kernel_tol(dtype)
     y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(x, wg, sizes)
@@ -150,7 +153,7 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
     rng = np.random.default_rng(11)
     (pg, sg), (pu, su) = (_random_mxfp4(rng, g, k, n, lo=112, hi=129) for _ in range(2))
     sg[..., ::5] = rng.integers(2, 8, sg[..., ::5].shape)       # the smallest fast scales
-    wg, wu = (Mxfp4Weights(jnp.asarray(p), jnp.asarray(s)) for p, s in ((pg, sg), (pu, su)))
+    wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
     assert not bool(mk.needs_exact([wg.scale_GKN, wu.scale_GKN]))
     assert bool(mk.needs_exact([wg.scale_GKN, jnp.asarray(su).at[0, 0, 0].set(129)]))
     x = kc.normal(jax.random.key(3), (m, k), dtype, scale=0.1)
@@ -175,7 +178,7 @@ def test_nan_scale_reaches_only_its_group_and_columns():
     scale[1, 0, 3] = 255
     sizes = np.array([4, 4, 4], np.int32)
     x = kc.normal(jax.random.key(1), (m, k), BF16)
-    y = np.asarray(grouped_matmul(x, Mxfp4Weights(jnp.asarray(packed), jnp.asarray(scale)), sizes,
+    y = np.asarray(grouped_matmul(x, kc.mxfp4_from_kn(packed, scale), sizes,
                                   backend="interpret").astype(F32))
     nan = np.zeros((m, n), bool)
     nan[4:8, 3] = True
@@ -189,7 +192,7 @@ def test_x_gradient_through_the_kernel_matches_float32():
     rng = np.random.default_rng(11)
     # O(1) pre-activations (weights |w| <= 6 * 2**-4), so the SiTU derivative stays finite
     (pg, sg), (pu, su) = (_random_mxfp4(rng, g, k, n, 112, 124) for _ in range(2))
-    wg, wu = (Mxfp4Weights(jnp.asarray(p), jnp.asarray(s)) for p, s in ((pg, sg), (pu, su)))
+    wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
     dg, du = (jnp.asarray(_decode_gkn(p, s), F32) for p, s in ((pg, sg), (pu, su)))
     sizes = jnp.array([7, 0, 10], jnp.int32)
     x = kc.normal(jax.random.key(2), (m, k), F32, scale=0.1)
@@ -225,7 +228,7 @@ def test_dispatch():
         calls.append((len(weights), kwargs["interpret"]))
         return original(x_MK, weights, group_sizes_G, **kwargs)
 
-    w = Mxfp4Weights(jax.ShapeDtypeStruct((2, 32, 64), jnp.uint8),
+    w = Mxfp4Weights(jax.ShapeDtypeStruct((2, 64, 32), jnp.uint8),
                      jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8))
     x, s = jax.ShapeDtypeStruct((16, 64), BF16), jax.ShapeDtypeStruct((2,), jnp.int32)
     mk_call = mk._mxfp4_call

@@ -42,14 +42,14 @@ def test_the_configurations_are_k3s_at_ep8():
         for tokens in TOKENS.values():
             x, *ws, sizes = configs[f"{op}_mxfp4 ep=8 tokens={tokens}"].arg_specs
             assert x.shape == (tokens * TOP_K, k) and sizes.shape == (LOCAL_EXPERTS,)
-            assert [w.shape for w in ws] == [(LOCAL_EXPERTS, k // 2, n),
+            assert [w.shape for w in ws] == [(LOCAL_EXPERTS, n, k // 2),
                                              (LOCAL_EXPERTS, k // 32, n)] * num_w
 
 
-# The fast kernel's K step (pallas_kernels.mxfp4_fast's sequence, scale
-# pairs, SMEM round trip of the bf16 tile), counted in SASS by
-# k3jax.kernel_sass: 3.56 (down) and 4.02 (gate/up) per weight at these
-# shapes; the exact kernel's about 24. A change that makes the fast path
+# The fast kernel's K step (pallas_kernels.mxfp4_fast's sequence, one scale
+# per row and block, SMEM round trip of the bf16 tile), counted in SASS by
+# k3jax.kernel_sass: 3.58 (down) and 4.08 (gate/up) per weight at these
+# shapes; the exact kernel's about 14. A change that makes the fast path
 # dearer fails here.
 FAST_SASS_PER_WEIGHT_MAX = 4.5
 
@@ -88,7 +88,7 @@ def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
     from pallas_kernels.mxfp4 import Mxfp4Weights
     mesh = h200_mesh(ParallelConfig())
     specs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in
-             [((m, k), jnp.bfloat16), ((g, k // 2, n), jnp.uint8), ((g, k // 32, n), jnp.uint8),
+             [((m, k), jnp.bfloat16), ((g, n, k // 2), jnp.uint8), ((g, k // 32, n), jnp.uint8),
               ((g,), jnp.int32)]]
 
     def fn(x, packed, scale, sizes):
@@ -120,8 +120,8 @@ def _sequence_regex(sequence, key: str) -> re.Pattern:
 
 
 def test_kernel_ptx_holds_the_fast_sequence():
-    """One K step of a 128-column block: 4 chunks x 8 registers run
-    mxfp4_fast.SEQUENCE, 4 x 4 register columns SCALE_SEQUENCE; no exact
+    """One K step of a 128-column block: 2 chunks of 64 rows x 16 registers
+    run mxfp4_fast.SEQUENCE, 2 x (4 scale blocks x 2 rows) SCALE_SEQUENCE; no exact
     dequant in the fast kernel (its float32 flush compare, setp.lt.f32, is absent)."""
     ptx = _mxfp4_ptx(64, 256, 128, 2)
     assert len(_sequence_regex(mxfp4_fast.SEQUENCE, "SEQUENCE").findall(ptx)) == 32

@@ -281,9 +281,12 @@ def test_auto_on_this_host_and_triton_dispatch(monkeypatch):
 
 def test_entry_point_validation():
     x = jnp.zeros((8, 64), jnp.bfloat16)
-    packed = jnp.zeros((2, 32, 16), jnp.uint8)
+    packed = jnp.zeros((2, 16, 32), jnp.uint8)   # [G, N, K/2]
     scale = jnp.zeros((2, 2, 16), jnp.uint8)
     sizes = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match=r"packed \[G, N, K/2\] = \[2, 16, 32\].*\[2, 32, 16\]"):
+        # the codes as [G, K/2, N] (the old orientation) against scales for N = 32
+        triton_sm80.grouped_matmul_mxfp4(x, jnp.swapaxes(packed, 1, 2), scale, sizes)
     with pytest.raises(ValueError, match=r"scales \[G, K/32, N\] = \[2, 2, 16\].*\[2, 3, 16\]"):
         triton_sm80.grouped_matmul_mxfp4(x, packed, jnp.zeros((2, 3, 16), jnp.uint8), sizes)
     with pytest.raises(ValueError, match=r"group_sizes_G must be int \[G=2\], got int32\[3\]"):
@@ -291,7 +294,7 @@ def test_entry_point_validation():
     with pytest.raises(ValueError, match="must be uint8"):
         triton_sm80.grouped_matmul_mxfp4(x, packed.astype(jnp.int8), scale, sizes)
     with pytest.raises(ValueError, match="K a multiple of 32"):
-        triton_sm80.grouped_matmul_mxfp4(x[:, :48], packed[:, :24], scale[:, :1], sizes)
+        triton_sm80.grouped_matmul_mxfp4(x[:, :48], packed[..., :24], scale[:, :1], sizes)
     with pytest.raises(ValueError, match="float16"):
         triton_sm80.grouped_matmul_mxfp4(x.astype(jnp.float16), packed, scale, sizes)
     with pytest.raises(ValueError, match="int32"):

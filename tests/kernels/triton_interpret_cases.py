@@ -36,26 +36,31 @@ from pallas_kernels.grouped_matmul.schedule import work_items_4W  # noqa: E402
 from pallas_kernels.mxfp4 import dequant  # noqa: E402
 
 
+def dequant_GKN(packed_GNH, scale_GSN):
+    """float32 [g, k, n] of packed uint8 [g, n, k/2] and scales uint8 [g, k/32, n]
+    (mxfp4.dequant along K, the packed codes' last axis)."""
+    scale_GNS = jnp.swapaxes(jnp.asarray(scale_GSN), 1, 2)
+    return jnp.swapaxes(dequant(jnp.asarray(packed_GNH), scale_GNS), 1, 2)
+
+
 def mxfp4_weights(seed: int, g: int, k: int, n: int):
-    """Random MXFP4 weight: (packed uint8 [g, k/2, n], scales uint8 [g, k/32, n],
-    decoded float32 [g, k, n]); scale bytes 120..130 keep values O(1)."""
+    """Random MXFP4 weight as the kernels take it: (packed uint8 [g, n, k/2],
+    scales uint8 [g, k/32, n], decoded float32 [g, k, n]); scale bytes
+    120..130 keep values O(1)."""
     rng = np.random.default_rng(seed)
-    packed = rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)
-    scale = rng.integers(120, 131, (g, k // 32, n), dtype=np.uint8)
-    dense = jnp.swapaxes(dequant(jnp.swapaxes(jnp.asarray(packed), 1, 2),
-                                      jnp.swapaxes(jnp.asarray(scale), 1, 2)), 1, 2)
-    return packed, scale, dense
+    packed_GNH = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scale_GSN = rng.integers(120, 131, (g, k // 32, n), dtype=np.uint8)
+    return packed_GNH, scale_GSN, dequant_GKN(packed_GNH, scale_GSN)
 
 
 def run_decode_case(case: dict) -> dict[str, np.ndarray]:
     """x = the k x k identity (one group): out = the dequantized weight."""
     k, n = case["k"], case["n"]
     rng = np.random.default_rng(case["seed"])
-    packed = rng.integers(0, 256, (1, k // 2, n), dtype=np.uint8)
+    packed = rng.integers(0, 256, (1, n, k // 2), dtype=np.uint8)
     edge_bytes = np.array([0, 1, 2, 100, 126, 127, 128, 200, 252], np.uint8)  # 253+ overflow
     scale = rng.choice(edge_bytes, (1, k // 32, n)).astype(np.uint8)
-    dense = jnp.swapaxes(dequant(jnp.swapaxes(jnp.asarray(packed), 1, 2),
-                                      jnp.swapaxes(jnp.asarray(scale), 1, 2)), 1, 2)
+    dense = dequant_GKN(packed, scale)
     launch = triton_sm80.plan(num_rows=k, k=k, n=n, num_groups=1, x_dtype=jnp.float32,
                               fused=False, mxfp4=True)
     sizes = np.array([k], np.int32)
