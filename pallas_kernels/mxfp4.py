@@ -244,12 +244,14 @@ class Mxfp4Weights:
         """Group ``g``'s weight [K, N] in ``dtype`` (g may be traced)."""
         packed_NK = jax.lax.dynamic_index_in_dim(self.packed_GNK, g, 0, keepdims=False)
         scale_KN = jax.lax.dynamic_index_in_dim(self.scale_GKN, g, 0, keepdims=False)
-        return dequant(packed_NK, scale_KN.T, dtype, axis=1).T
+        # The uint8 codes are turned, not the dequantized [N, K] (4x the bytes):
+        # XLA reads them transposed inside the dequant's fusion.
+        return dequant(packed_NK.T, scale_KN, dtype, axis=0)
 
     def dequantize(self, dtype) -> jax.Array:
         """Every group [G, K, N] in ``dtype`` (for tests and small shapes only)."""
-        return jax.vmap(lambda p, s: dequant(p, s.T, dtype, axis=1).T)(self.packed_GNK,
-                                                                       self.scale_GKN)
+        return jax.vmap(lambda p, s: dequant(p.T, s, dtype, axis=0))(self.packed_GNK,
+                                                                     self.scale_GKN)
 
 
 __all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Weights",
