@@ -42,7 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab, schedule
+from pallas_kernels.grouped_matmul import (
+    mosaic_sm90,
+    mosaic_sm90_mxfp4,
+    mosaic_sm90_mxfp4_swap_ab,
+    mosaic_sm90_swap_ab,
+    schedule,
+)
 from pallas_kernels.hardware import H200
 
 H200_NUM_SMS = H200.num_sms
@@ -64,24 +70,34 @@ WG_ROWS = 64  # WGMMA M of one warpgroup
 # scale byte outside FAST_SCALES run the exact kernel (about 5x the count):
 # the model does not cover them.
 GOLDEN_KERNELS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sm90a_kernels.json"
-MXFP4_FAST_KERNELS = {1: "grouped_matmul_mxfp4_m64", 2: "grouped_situ_glu_mxfp4_m64"}
+# The row-major fast kernel the dispatch takes: the fused product past 48
+# rows a group (mosaic_sm90_mxfp4_swap_ab.block_t_for); the plain product
+# always takes the swap-AB kernel, so the golden file holds no count for it.
+MXFP4_FAST_KERNELS = {2: "grouped_situ_glu_mxfp4_m64"}
+# The swap-AB MXFP4 kernel (mosaic_sm90_mxfp4_swap_ab), by the prefix of its
+# kernel names (block_t follows): the golden file holds it at block_t 8, 56
+# and 48 (16 and 256 tokens at EP 8); the model takes the largest count.
+MXFP4_SWAP_AB_KERNELS = {1: "grouped_matmul_mxfp4_swap_ab_t", 2: "grouped_situ_glu_mxfp4_swap_ab_t"}
 
 
-def _golden_dequant_sass() -> dict[int, float]:
+def _golden_dequant_sass(kernels: dict[int, str], prefix: bool = False) -> dict[int, float]:
     """num_weights -> the largest dequant_sass_per_weight the golden file holds
-    for that MXFP4 fast kernel."""
+    for that MXFP4 fast kernel (every kernel whose name starts with it where
+    ``prefix``)."""
     configs = json.loads(GOLDEN_KERNELS.read_text())["configurations"]
     out = {}
-    for num_weights, kernel in MXFP4_FAST_KERNELS.items():
+    for num_weights, kernel in kernels.items():
         found = [e["dequant_sass_per_weight"] for entries in configs.values() for e in entries
-                 if e["kernel"] == kernel and "dequant_sass_per_weight" in e]
+                 if (e["kernel"].startswith(kernel) if prefix else e["kernel"] == kernel)
+                 and "dequant_sass_per_weight" in e]
         if not found:
             raise ValueError(f"{GOLDEN_KERNELS} holds no dequant_sass_per_weight for {kernel}")
         out[num_weights] = max(found)
     return out
 
 
-MXFP4_DEQUANT_SASS_PER_WEIGHT = _golden_dequant_sass()
+MXFP4_DEQUANT_SASS_PER_WEIGHT = _golden_dequant_sass(MXFP4_FAST_KERNELS)
+MXFP4_SWAP_AB_DEQUANT_SASS_PER_WEIGHT = _golden_dequant_sass(MXFP4_SWAP_AB_KERNELS, prefix=True)
 SM_LANE_OPS_PER_S = H200.sm_lane_ops_per_s
 
 
@@ -172,6 +188,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     the dequant (MXFP4_DEQUANT_SASS_PER_WEIGHT on the consumer's lanes) in series
     with that consumer's WGMMAs."""
     sizes = np.asarray(group_sizes_G, np.int64)
+    if mxfp4 and num_weights not in MXFP4_DEQUANT_SASS_PER_WEIGHT:
+        raise ValueError(f"no counted dequant for the row-major MXFP4 kernel with {num_weights} "
+                         f"weight(s) in {GOLDEN_KERNELS.name} (the dispatch never runs it)")
     if mxfp4:
         launch = mosaic_sm90_mxfp4.plan_launch(m, k, n, len(sizes), num_weights, dtype, config)
     else:
@@ -251,8 +270,9 @@ def grouped_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
 
 
 def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
-                 dtype=jnp.bfloat16, config: mosaic_sm90_swap_ab.SwapABConfig,
-                 num_sms: int = H200_NUM_SMS) -> KernelCost:
+                 dtype=jnp.bfloat16,
+                 config: mosaic_sm90_swap_ab.SwapABConfig | mosaic_sm90_mxfp4_swap_ab.Mxfp4SwapABConfig
+                 | None, num_sms: int = H200_NUM_SMS, mxfp4: bool = False) -> KernelCost:
     """Model one launch of the swap-AB kernel (mosaic_sm90_swap_ab):
     weights [block_w, K] on WGMMA's M side, block_t tokens on N. Same
     conventions as grouped_cost; "rows computed" counts the block_t token
@@ -273,9 +293,23 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     columns past N as TMA zero fill) counts only its in-bounds columns as
     weight HBM bytes and flops, but its CTAs still run the whole K loop
     (x multicast share, WGMMAs on zeros): a cluster tile takes its slowest
-    CTA's time."""
+    CTA's time.
+
+    mxfp4=True models mosaic_sm90_mxfp4_swap_ab's kernel (config None: its
+    own choice): no cluster, no split-K, tiles drain; weight tiles of
+    0.53125 B per parameter, and per K step the dequant
+    (MXFP4_SWAP_AB_DEQUANT_SASS_PER_WEIGHT on the SM's lanes) in series with
+    the WGMMAs."""
     sizes = np.asarray(group_sizes_G, np.int64)
-    plan = mosaic_sm90_swap_ab.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype, config)
+    if mxfp4:
+        plan = mosaic_sm90_mxfp4_swap_ab.plan_launch(m, k, n, len(sizes), num_weights, dtype,
+                                                     config)
+        block_k, cluster, split_k, no_drain = mosaic_sm90_mxfp4_swap_ab.BLOCK_K, 1, 1, False
+    else:
+        plan = mosaic_sm90_swap_ab.plan_launch(m, k, n, len(sizes), num_weights, dtype, dtype,
+                                               config)
+        block_k, cluster, split_k = plan.cfg.block_k, plan.cfg.cluster, plan.cfg.split_k
+        no_drain = plan.no_drain
     cfg, planes = plan.cfg, plan.planes
     in_bytes = 2 * planes
     out_bytes = jnp.dtype(dtype).itemsize
@@ -283,34 +317,38 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     group_W, count_W = meta[0], meta[3]
     num_items = meta.shape[1]
     n_blocks = plan.num_n_blocks
-    cluster = cfg.cluster
     num_clusters = max((cfg.num_ctas or num_sms) // cluster, 1)  # as the kernel's grid
     steps = plan.num_k_steps
-    products = 1 if planes == 1 else 3
+    products = planes if mxfp4 else 1 if planes == 1 else 3
 
-    split_k = cfg.split_k
     steps_S = np.array([schedule.k_range(s, steps, split_k)[1] for s in range(split_k)])
     tile_out_bytes = 4 * num_weights if split_k > 1 else out_bytes  # f32 partials per weight
 
     matmul_W = (count_W > 0) & (group_W >= 0)
     # The in-bounds fraction of each N-block's columns (the last superblock may overhang N).
     in_bounds_B = np.clip(n - np.arange(n_blocks) * cfg.block_w, 0, cfg.block_w) / cfg.block_w
-    flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * cfg.block_k
+    flops_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_w * cfg.block_t * block_k
                                            * 2 * num_weights * products, 0)
     # x: a CTA tile's share of the multicast x tile.
-    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_t * cfg.block_k * in_bytes
+    x_SW = steps_S[:, None] * np.where(matmul_W, cfg.block_t * block_k * in_bytes
                                        / cluster, 0)
-    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * cfg.block_k * cfg.block_w
-                                       * in_bytes, 0)
+    w_bytes_per_param = 17 / 32 if mxfp4 else in_bytes
+    w_SW = steps_S[:, None] * np.where(matmul_W, num_weights * block_k * cfg.block_w
+                                       * w_bytes_per_param, 0)
+    # MXFP4: the consumers dequantize the tile's weights once (in series with the WGMMAs).
+    dequant_SW = (steps_S[:, None] * np.where(matmul_W, num_weights * block_k * cfg.block_w, 0)
+                  * MXFP4_SWAP_AB_DEQUANT_SASS_PER_WEIGHT[num_weights] / SM_LANE_OPS_PER_S
+                  if mxfp4 else np.zeros_like(flops_SW, dtype=float))
     o_SW = np.broadcast_to(np.where(matmul_W, cfg.block_w * cfg.block_t * tile_out_bytes, 0),
                            x_SW.shape)
     first_W = matmul_W & np.concatenate([[True], group_W[1:] != group_W[:-1]])
     # [S, W, B]: CTA tile (K range, item, N-block).
     hbm_SWB = (np.where(first_W, w_SW, 0)[:, :, None] * in_bounds_B
                + (x_SW * cluster / n_blocks + o_SW)[:, :, None])
-    tile_overhead = 0.0 if plan.no_drain else TILE_OVERHEAD_S
+    tile_overhead = 0.0 if no_drain else TILE_OVERHEAD_S
     time_SWB = np.where(matmul_W[None, :, None],
-                        np.maximum(flops_SW[:, :, None] / (DENSE_BF16_FLOPS / num_sms),
+                        np.maximum(flops_SW[:, :, None] / (DENSE_BF16_FLOPS / num_sms)
+                                   + dequant_SW[:, :, None],
                                    hbm_SWB / (COPY_BYTES_PER_S / num_sms))
                         + tile_overhead, 0.0)
     # The kernel's item-major loop over cluster tiles (item, superblock, K
@@ -324,7 +362,7 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
     time_T = time_SWU[split_T, item_T, super_T]
     cluster_T = np.arange(len(time_T)) % num_clusters
     cluster_time = np.bincount(cluster_T, weights=time_T, minlength=num_clusters)
-    if plan.no_drain:
+    if no_drain:
         cluster_time = cluster_time + _first_tile_overhead(cluster_T, matmul_W[item_T],
                                                            num_clusters)
     busiest = float(cluster_time.max())
@@ -345,8 +383,9 @@ def swap_ab_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                                       if useful_rows else 0.0),
         flops=float(flops_SW.sum() * in_bounds_B.sum()),
         predicted_us=(busiest + assemble_bytes / COPY_BYTES_PER_S) * 1e6,
-        config={**dataclasses.asdict(cfg), "planes": planes, "kernel": "mosaic_sm90_swap_ab",
-                "no_drain": plan.no_drain})
+        config={**dataclasses.asdict(cfg), "planes": planes, "mxfp4": mxfp4,
+                "kernel": "mosaic_sm90_mxfp4_swap_ab" if mxfp4 else "mosaic_sm90_swap_ab",
+                "no_drain": no_drain})
 
 
 
@@ -364,9 +403,14 @@ def launch_cost(group_sizes_G, m: int, k: int, n: int, num_weights: int, *,
                 num_sms: int = H200_NUM_SMS) -> KernelCost:
     """The launch the grouped launcher runs for these shapes (its tile table's
     entry, pallas_kernels.grouped_matmul.tile_choice; MXFP4 weights:
+    mosaic_sm90_mxfp4_swap_ab where its block_t_for gives a block_t, else
     mosaic_sm90_mxfp4), costed on the actual group_sizes_G, with the kernel
     named in its config."""
     from pallas_kernels.grouped_matmul import tile_choice
+    if mxfp4 and mosaic_sm90_mxfp4_swap_ab.block_t_for(m, len(group_sizes_G),
+                                                       num_weights) is not None:
+        return swap_ab_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, config=None,
+                            num_sms=num_sms, mxfp4=True)
     if mxfp4:
         cost = grouped_cost(group_sizes_G, m, k, n, num_weights, dtype=dtype, mxfp4=True,
                             num_sms=num_sms)
@@ -408,6 +452,7 @@ def xla_mlp_roofline_s(tokens: int, d: int, f: int) -> float:
 
 
 __all__ = ["COPY_BYTES_PER_S", "DENSE_BF16_FLOPS", "H200_NUM_SMS", "MXFP4_DEQUANT_SASS_PER_WEIGHT",
+           "MXFP4_SWAP_AB_DEQUANT_SASS_PER_WEIGHT",
            "SM_LANE_OPS_PER_S", "TILE_OVERHEAD_S", "WG_ROWS", "KernelCost", "grouped_cost",
            "launch_cost", "launch_mlp_cost", "mlp_cost", "roofline_s", "swap_ab_cost",
            "xla_mlp_roofline_s", "xla_ragged_dot_dense_s"]

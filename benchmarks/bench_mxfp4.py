@@ -4,9 +4,10 @@ scales, 0.53125 B per parameter) at the first EP of the plan, every token
 count (decode and prefill), three implementations on the same arguments:
 
   "mxfp4"        grouped_matmul / grouped_situ_glu on the packed weights (the
-                 backend's MXFP4 path: on "pallas" the Mosaic kernel that
-                 TMA-streams the packed codes and scales and decodes them in
-                 registers, mosaic_sm90_mxfp4.py; on "xla" the blocked loop
+                 backend's MXFP4 path: on "pallas" the Mosaic kernels that
+                 TMA-stream the packed codes and scales and decode them in
+                 registers, mosaic_sm90_mxfp4_swap_ab.py or, where its tiles
+                 read the weights fewer times, mosaic_sm90_mxfp4.py; on "xla" the blocked loop
                  that dequantizes one active expert at a time);
   "bf16"         the kernel backend on bf16 weights (the same values
                  dequantized once, outside the timing): what MXFP4 should match;
@@ -16,8 +17,8 @@ count (decode and prefill), three implementations on the same arguments:
 
 Weight traffic is counted in packed bytes for "mxfp4" (0.53125 B per active
 parameter) and bf16 bytes otherwise; "pct_copy" is against the copy ceiling.
-Each row also carries the cost model's prediction for the MXFP4 kernel
-("model": analysis.kernel_cost.grouped_cost(..., mxfp4=True)).
+Each row also carries the cost model's prediction for the MXFP4 kernel the
+dispatch takes ("model": analysis.kernel_cost.launch_cost(..., mxfp4=True)).
 No library peer: tokamax 0.0.17's quantized ragged_dot does not compile MXFP4
 (E2M1, 32-wide E8M0 scales) for sm_90a (docs/kernels.md, BENCHMARKS.md).
 """

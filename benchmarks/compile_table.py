@@ -121,9 +121,10 @@ def tokamax_peer_configs(plan) -> list[KernelConfig]:
     return out
 
 
-# The Mosaic MXFP4 kernel (mosaic_sm90_mxfp4.py, through the grouped ops' MXFP4
-# dispatch) at K3's EP 8 shapes, decode and prefill: (ep, tokens).
-MXFP4_ROWS = ((8, 16), (8, 4096))
+# The Mosaic MXFP4 kernels (through the grouped ops' MXFP4 dispatch: the
+# swap-AB one at 16 and 256 tokens, block_t 8 and 56; the row-major one at
+# 4096) at K3's EP 8 shapes: (ep, tokens).
+MXFP4_ROWS = ((8, 16), (8, 256), (8, 4096))
 # The weight-gradient kernel (mosaic_sm90_tgmm.py) on gate/up's shapes at EP 8
 # (x [m, latent], dy [m, inter], 112 local experts at decode: M / G < 128),
 # in its two tile configurations (bf16: 4 stages; float32, bf16x3: 2 stages):
@@ -385,11 +386,11 @@ def main(argv=None) -> int:
         if args.write_golden:
             entries = {name: kernel_entries(reports) for name, reports in results.items()}
             commit = source_commit()
-            if args.only is not None:   # the rest as the file has them, in its order
+            if args.only is not None:   # the rest as the file has them, in kernel_configs() order
                 golden = read_golden()
                 kept = golden["configurations"]
                 entries = {name: entries.get(name, kept.get(name)) for name in
-                           [*kept, *(n for n in entries if n not in kept)]}
+                           [c.name for c in kernel_configs()] if name in entries or name in kept}
                 commit = f"{golden['commit'].split(' (')[0]} ({args.only!r} configurations: {commit})"
             return write_golden(golden_document(entries, commit), args.accept_worse, log)
     if both or args.layouts:

@@ -17,10 +17,11 @@ One run measures, on one GPU:
   * the fused dense/shared MLP up-projection situ_mlp_up (D = 7168,
     F = 6144 / tp) vs the unfused XLA reference;
   * MXFP4 experts at the first EP (benchmarks.bench_mxfp4): packed weights
-    (on "pallas": mosaic_sm90_mxfp4.py's in-kernel dequant, with its
-    cost-model prediction) vs bf16 weights vs "dequantize + ragged_dot", with
-    packed bytes per parameter. No library peer takes MXFP4 on sm_90
-    (tokamax's quantized ragged_dot fails to compile E2M1 / E8M0 there).
+    (on "pallas": the Mosaic MXFP4 kernels' in-kernel dequant, swap-AB or
+    row-major as the dispatch takes them, with the cost-model prediction) vs
+    bf16 weights vs "dequantize + ragged_dot", with packed bytes per
+    parameter. No library peer takes MXFP4 on sm_90 (tokamax's quantized
+    ragged_dot fails to compile E2M1 / E8M0 there).
   * with jax-triton installed (the ``triton`` extra): the Triton kernels
     (--backend triton, pallas_kernels/*/triton_sm80.py) as a peer on every
     grouped and MLP row of a Hopper run ("triton" column), and MXFP4 rows

@@ -95,7 +95,8 @@ def model_mlp(case: MlpCase) -> dict:
 
 def model_all(plan: Plan) -> dict:
     """Every row of the sweep, as the static cost model predicts it (no GPU)."""
-    # MXFP4 rows ("<op>_mxfp4", mosaic_sm90_mxfp4's kernel) beside the bf16 ones
+    # MXFP4 rows ("<op>_mxfp4": mosaic_sm90_mxfp4_swap_ab's kernel at decode,
+    # mosaic_sm90_mxfp4's past it) beside the bf16 ones
     grouped = [{"op": c.label, "ep": c.ep, "tp": None, "tokens": c.tokens, "rows": c.rows,
                 "local_experts": c.local_experts, "K": c.k, "N": c.n,
                 "active_experts": int(np.count_nonzero(grouped_sizes(c))),
@@ -107,6 +108,8 @@ def model_all(plan: Plan) -> dict:
                      "copy_bytes_per_s": kernel_cost.COPY_BYTES_PER_S,
                      "tile_overhead_s": kernel_cost.TILE_OVERHEAD_S, "top_k": plan.top_k,
                      "mxfp4_dequant_sass_per_weight": kernel_cost.MXFP4_DEQUANT_SASS_PER_WEIGHT,
+                     "mxfp4_swap_ab_dequant_sass_per_weight":
+                         kernel_cost.MXFP4_SWAP_AB_DEQUANT_SASS_PER_WEIGHT,
                      "sm_lane_ops_per_s": kernel_cost.SM_LANE_OPS_PER_S,
                      "num_experts": plan.num_experts},
             "grouped": grouped, "mlp": mlp}

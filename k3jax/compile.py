@@ -143,7 +143,7 @@ class CompileReport:
         if k.k_step is not None:
             out["dequant_sass_per_weight"] = self.dequant_sass_per_weight(k)
             out["k_step_sass"] = {"instructions": k.k_step.instructions,
-                                  "weights": k.k_step.mma_kn // self.x_planes,
+                                  "weights": k.k_step.mma_weights // self.x_planes,
                                   "by_opcode": dict(k.k_step.by_opcode)}
         return out
 

@@ -27,7 +27,9 @@ stores of the bf16 tile, any x reshuffle and the loop's own bookkeeping.
 
 ``dequant_sass_per_weight`` = counted instructions per thread per K step x
 128 threads / the weight elements one warpgroup's K step multiplies
-(sum of k x n over the step's HGMMAs / x planes).
+(mma_weights / x planes). The dequantized weights are the operand the
+HGMMA takes from registers where it takes one (the swap-AB kernel's A:
+m x k of each HGMMA), else its B from SMEM (k x n).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"^(@!?U?P\d+\s+)?BRA\s+`?\(?(\.L_x_\d+)")
 _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)")
+_HGMMA_REGISTER_A = re.compile(r"HGMMA\S*\s+R\d+,\s*R\d+,")   # A from registers, not gdesc
 
 
 class SassParseError(ValueError):
@@ -84,6 +87,11 @@ def opcode(instruction: str) -> str:
     """``@P2 IADD3.X R1, ...`` -> ``IADD3.X``."""
     parts = instruction.split()
     return parts[1] if parts[0].startswith("@") else parts[0]
+
+
+def opcode_and_operands(instruction: str) -> str:
+    """``@P2 HGMMA.64x8x16 R24, ...`` -> ``HGMMA.64x8x16 R24, ...`` (no predicate)."""
+    return instruction.split(None, 1)[1] if instruction.startswith("@") else instruction
 
 
 def parse(sass: str) -> tuple[list[str], dict[str, int]]:
@@ -187,22 +195,23 @@ def _two_pass_trips(instructions: list[str], first: int, last: int, flag: str) -
 class KStepSass:
     """One consumer K step's SASS, per thread, on its fast path (module
     docstring): ``instructions`` counted (not NOT_DEQUANT), ``by_opcode``
-    their split by opcode family (IADD3.X -> IADD3), ``mma_kn`` the sum of
-    k x n over its HGMMAs (weight elements per x plane), ``nested_trips``
+    their split by opcode family (IADD3.X -> IADD3), ``mma_weights`` the
+    weight elements its HGMMAs multiply (per x plane: m x k of an HGMMA with
+    A in registers, else k x n), ``nested_trips``
     the trip count of each loop nested in the K-step loop,
     ``loop_instructions`` the count over every instruction of the loop (all
     paths, e.g. the exact path for extreme scales as well)."""
 
     instructions: int
-    mma_kn: int
+    mma_weights: int
     nested_trips: tuple[int, ...] = ()
     by_opcode: tuple[tuple[str, int], ...] = ()
     loop_instructions: int = 0
 
     def per_weight(self, planes: int = 1) -> float:
         """Counted instructions per weight element (planes: x planes per
-        weight, 2 for float32 x): instructions x 128 / (mma_kn / planes)."""
-        return self.instructions * WARPGROUP_THREADS * planes / self.mma_kn
+        weight, 2 for float32 x): instructions x 128 / (mma_weights / planes)."""
+        return self.instructions * WARPGROUP_THREADS * planes / self.mma_weights
 
 
 def _successors(instructions: list[str], labels: dict[str, int], first: int, last: int,
@@ -279,16 +288,18 @@ def k_step_count(sass: str) -> KStepSass:
             for j in range(a - first, b - first + 1):
                 weight[j] *= n
     counts: collections.Counter[str] = collections.Counter()
-    mma_kn = 0
+    mma_weights = 0
     for i in _fast_path(instructions, labels, first, last, weight):
         op, w = opcode(instructions[i]), weight[i - first]
         if shape := _HGMMA_SHAPE.match(op):
-            mma_kn += int(shape.group(2)) * int(shape.group(3)) * w
+            hm, hn, hk = (int(v) for v in shape.groups())
+            register_a = _HGMMA_REGISTER_A.match(opcode_and_operands(instructions[i]))
+            mma_weights += (hm if register_a else hn) * hk * w
         if not op.startswith(NOT_DEQUANT):
             counts[op.split(".")[0]] += w
     every = sum(w for w, ins in zip(weight, instructions[first:last + 1])
                 if not opcode(ins).startswith(NOT_DEQUANT))
-    return KStepSass(instructions=sum(counts.values()), mma_kn=mma_kn, nested_trips=tuple(trips),
+    return KStepSass(instructions=sum(counts.values()), mma_weights=mma_weights, nested_trips=tuple(trips),
                      by_opcode=tuple(sorted(counts.items(), key=lambda kv: -kv[1])),
                      loop_instructions=every)
 

@@ -29,7 +29,12 @@ from k3jax.checkpoint import make_synthetic_checkpoint
 from k3jax.cli import main
 from k3jax.config import TINY
 from numerics import rel_err
-from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_mxfp4, mosaic_sm90_swap_ab
+from pallas_kernels.grouped_matmul import (
+    mosaic_sm90,
+    mosaic_sm90_mxfp4,
+    mosaic_sm90_mxfp4_swap_ab,
+    mosaic_sm90_swap_ab,
+)
 from pallas_kernels.mxfp4 import dequant_numpy
 from reference_np import np_mlp, np_moe, np_route
 
@@ -183,9 +188,11 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def mxfp4_kernel_calls(monkeypatch):
     """Records (weight count, x shape, logical weight shape) of every MXFP4
-    Mosaic kernel launch traced (mosaic_sm90_mxfp4._mxfp4_call)."""
+    Mosaic kernel launch traced (mosaic_sm90_mxfp4._mxfp4_call, or
+    mosaic_sm90_mxfp4_swap_ab._call: the kernel the dispatch takes)."""
     calls = []
     _record_launches(monkeypatch, mosaic_sm90_mxfp4, "_mxfp4_call", calls)
+    _record_launches(monkeypatch, mosaic_sm90_mxfp4_swap_ab, "_call", calls)
     return calls
 
 
@@ -194,8 +201,8 @@ def mxfp4_kernel_calls(monkeypatch):
 def test_interpret_with_packed_mxfp4_experts(checkpoints, x_path, tmp_path, kernel_calls,
                                              mxfp4_kernel_calls, capsys, layout, dtype):
     """Experts stay MXFP4-packed on the device; the routed grouped matmuls take
-    them packed (Mxfp4Weights) into the MXFP4 Mosaic kernel (in-kernel decode,
-    mosaic_sm90_mxfp4.py: fused gate/up and down), and the shared expert's
+    them packed (Mxfp4Weights) into the MXFP4 Mosaic kernels (in-kernel decode:
+    mosaic_sm90_mxfp4_swap_ab.py at these sizes; fused gate/up and down), and the shared expert's
     bf16 up-projection runs the plain Mosaic kernel."""
     flags = LAYOUTS[layout]
     argv = ["run", "--checkpoint", str(checkpoints["mxfp4"]), "--layer", "1", "--input",

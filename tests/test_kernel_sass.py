@@ -21,7 +21,12 @@ def _sass(lines: list[str]) -> str:
     return "\n".join(out)
 
 
-def _kernel(inner: list[str], before_inner: list[str]) -> str:
+ROW_MAJOR_HGMMAS = ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24",
+                    "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24, gsb0")
+
+
+def _kernel(inner: list[str], before_inner: list[str],
+            hgmmas: tuple[str, ...] = ROW_MAJOR_HGMMAS) -> str:
     return _sass([
         "IMAD.MOV.U32 R1, RZ, RZ, RZ",
         ".L_x_1:",                                    # the tile loop
@@ -34,8 +39,7 @@ def _kernel(inner: list[str], before_inner: list[str]) -> str:
         "BAR.SYNC.DEFER_BLOCKING R12, 0x80",
         "FENCE.VIEW.ASYNC.S",
         "WARPGROUP.ARRIVE",
-        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24",
-        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24, gsb0",
+        *hgmmas,
         "IADD3 R138, R138, 0x1, RZ",
         "ISETP.NE.U32.AND P2, PT, R138, 0x18, PT",
         "@P2 BRA `(.L_x_2)",
@@ -58,10 +62,20 @@ def test_counter_loop_counts_its_trips():
     # per K step: the init + the loop's 6 x 4 + the K loop's retry branch,
     # IADD3, ISETP and back edge (the retry code itself is out of the loop)
     assert step.instructions == 1 + 6 * 4 + 4
-    assert step.mma_kn == 2 * 128 * 16
+    assert step.mma_weights == 2 * 128 * 16
     assert dict(step.by_opcode)["FMUL"] == 4
     assert step.per_weight() == pytest.approx(29 * 128 / 4096)
     assert step.per_weight(planes=2) == pytest.approx(2 * 29 * 128 / 4096)
+
+
+def test_register_a_hgmma_counts_its_m_by_k_weights():
+    """The swap-AB kernel's HGMMA takes the dequantized weights as A from
+    registers (m x k of them), the x tile as B (n = 8 tokens here)."""
+    hgmmas = ("HGMMA.64x8x16.F32.BF16 R24, R28, gdesc[UR8], R24",
+              "HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR8], R24, gsb0")
+    step = kernel_sass.k_step_count(_kernel(["HMUL2.BF16_V2 R5, R6, R7"], [], hgmmas))
+    assert step.mma_weights == 2 * 64 * 16
+    assert step.per_weight() == pytest.approx(step.instructions * 128 / 2048)
 
 
 def test_two_pass_flag_loop_counts_two():

@@ -141,13 +141,12 @@ def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: 
     """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk),
     64 rows at a time, unrolled: exact when every scale byte of the step is
     in mxfp4_fast.FAST_SCALES."""
-    rows, half = mxfp4_dequant.ROWS, BLOCK_K // 2
+    rows = mxfp4_dequant.ROWS
     for r in range(block_n // rows):
         row_chunk = pl.ds(r * rows, rows)
         packed = plgpu.load(packed_smem.at[row_chunk, :], layout=plgpu.Layout.WGMMA)
-        lo, hi = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, row_chunk], interpret)
-        w_smem[row_chunk, pl.ds(0, half)] = lo
-        w_smem[row_chunk, pl.ds(half, half)] = hi
+        w_smem[row_chunk, :] = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, row_chunk],
+                                                        interpret)
 
 
 def k_order(x_MK: jax.Array) -> jax.Array:
@@ -344,7 +343,7 @@ def needs_exact(scales: list[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.logical_or, [jnp.any((s < lo) | (s > hi)) for s in scales])
 
 
-def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
+def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
     """(packed, scale) zero-padded to [G, n_pad, k_pad/2] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
     packed = tiling.pad_axis(tiling.pad_axis(w.packed_GNK, 2, k_pad // 2), 1, n_pad)
@@ -355,39 +354,44 @@ def _pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax
     return packed, scale
 
 
-def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
-                cfg: sm90.TileConfig | None, interpret):
-    """Launcher: pad, put x in the kernel's K order, build the schedule, run
-    the fast or the exact kernel."""
+def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
+              cfg: sm90.TileConfig | None, interpret, fast: bool) -> jax.Array:
+    """One launch of the fast (``fast``) or the exact kernel: pad, put x in
+    the kernel's K order, build the schedule, run it. y [m, n] in x's dtype."""
     m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, weights)
     out_dtype = x_MK.dtype
-    if m == 0 or n == 0:
-        return jnp.zeros((m, n), out_dtype)
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
     x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
     x_planes = [k_order(p) for p in
                 (tiling.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
-    w_refs = [a for w in weights for a in _pad_weight(w, launch.k_pad, launch.n_pad)]
+    w_refs = [a for w in weights for a in pad_weight(w, launch.k_pad, launch.n_pad)]
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
-
-    def kernel(fast: bool):
-        body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
-                          num_rows=m, num_k_steps=launch.num_k_steps,
-                          num_n_blocks=launch.num_n_blocks, out_dtype=out_dtype, fast=fast,
-                          interpret=bool(interpret))
-        variant = "mxfp4" if fast else "mxfp4_exact"
-        launched = skeleton.launch(
-            body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
-            grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
-            num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_{variant}_m{cfg.block_m}")
-        return lambda args: launched(*args)
-
-    # the fast kernel unless a scale byte is outside FAST_SCALES (module docstring)
-    y_MN = lax.cond(needs_exact(w_refs[1::2]), kernel(False), kernel(True),
-                    (meta_4W, *x_planes, *w_refs))
+    body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
+                      num_rows=m, num_k_steps=launch.num_k_steps,
+                      num_n_blocks=launch.num_n_blocks, out_dtype=out_dtype, fast=fast,
+                      interpret=bool(interpret))
+    variant = "mxfp4" if fast else "mxfp4_exact"
+    kernel = skeleton.launch(
+        body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
+        grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
+        num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_{variant}_m{cfg.block_m}")
+    y_MN = kernel(meta_4W, *x_planes, *w_refs)
     return y_MN if launch.n_pad == n else y_MN[:, :n]
+
+
+def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
+                cfg: sm90.TileConfig | None, interpret):
+    """The fast kernel, or the exact one when a scale byte is outside
+    FAST_SCALES (module docstring)."""
+    m, _, n, _, _ = skeleton.launch_dims(x_MK, weights)
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), x_MK.dtype)
+    run = functools.partial(row_major, epilogue=epilogue, cfg=cfg, interpret=interpret)
+    return lax.cond(needs_exact([w.scale_GKN for w in weights]),
+                    lambda ops: run(*ops, fast=False), lambda ops: run(*ops, fast=True),
+                    (x_MK, weights, group_sizes_G))
 
 
 def grouped_matmul_mxfp4(x_MK, w_GKN: Mxfp4Weights, group_sizes_G, *,

@@ -2,7 +2,7 @@
 sequence) in its WGMMA register layout, on the GPU (inline PTX through
 plgpu.inline_mgpu) and in interpret mode (the jnp emulation of the same ops).
 
-    lo, hi = fast_chunk(packed_RC, scale_smem, interpret)
+    a = fast_chunk(packed_RC, scale_smem, interpret)
 
 Layout. ``packed_RC`` is uint8 [64, 64]: 64 rows of a K step's packed tile
 (weight columns n, the stored [out, in] orientation) by its 64 code bytes
@@ -16,6 +16,12 @@ builds each bf16x2 scale once. lo / hi: bf16 [64, 64] in the same layout,
 the low nibbles (even K of each byte) and the high ones (odd K). Exact for
 scale bytes in mxfp4_fast.FAST_SCALES only: the launcher runs the exact
 kernel when any byte is outside (mosaic_sm90_mxfp4.needs_exact).
+
+Result. ``a`` is bf16 [64, 128] in plgpu.Layout.WGMMA: lo in columns 0..63
+and hi in 64..127 (register columns 0..7 and 8..15, so putting the halves
+side by side moves no data). That is the K order of mosaic_sm90_mxfp4.k_order,
+and a is both what the row-major kernel stores as its weight tile and the
+register A operand of the swap-AB kernel's WGMMA.
 """
 
 from __future__ import annotations
@@ -70,9 +76,9 @@ def _asm(asm: str, n_out: int, *args):
 
 def _fast_chunk_mgpu():
     wgmma = plgpu.Layout.WGMMA
-    out_t = plgpu.ShapeDtypeStruct((ROWS, BYTES), jnp.bfloat16, layout=wgmma)
+    out_t = plgpu.ShapeDtypeStruct((ROWS, 2 * BYTES), jnp.bfloat16, layout=wgmma)
 
-    @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType()), return_type=(out_t, out_t))
+    @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType()), return_type=out_t)
     def chunk(_ctx, packed, scale_ref):
         i8 = ir.IntegerType.get_signless(8)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -97,8 +103,9 @@ def _fast_chunk_mgpu():
             lo_w, hi_w = _asm(_PAIR_ASM, 2, _word(regs[idx]), s)
             lo[idx] = mgpu_utils.bitcast(lo_w, bf16x2)
             hi[idx] = mgpu_utils.bitcast(hi_w, bf16x2)
-        return (mgpu.FragmentedArray(_registers=lo, _layout=packed.layout, _is_signed=None),
-                mgpu.FragmentedArray(_registers=hi, _layout=packed.layout, _is_signed=None))
+        # register column g holds columns 8g..8g+7: hi's columns follow lo's
+        return mgpu.FragmentedArray(_registers=np.concatenate([lo, hi], axis=1),
+                                    _layout=packed.layout, _is_signed=None)
 
     return chunk
 
@@ -112,13 +119,14 @@ def _fast_chunk_emulated(packed_RC, scale_smem):
         lanes = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).reshape(ROWS, BYTES)
         return lax.bitcast_convert_type(lanes.astype(jnp.uint16), jnp.bfloat16)
 
-    return unpair(lo), unpair(hi)
+    return jnp.concatenate([unpair(lo), unpair(hi)], axis=1)
 
 
 def fast_chunk(packed_RC, scale_smem, interpret: bool):
     """uint8 [64, 64] codes (WGMMA layout) of 64 weight rows of a K step and
-    their uint8 [4, 64] scales (an SMEM ref: block x row) -> (lo, hi) bf16
-    [64, 64]: lo[r, c] is K element 2c of row r, hi[r, c] element 2c + 1.
+    their uint8 [4, 64] scales (an SMEM ref: block x row) -> bf16 [64, 128]
+    (WGMMA layout): column c < 64 is K element 2c of the row, column 64 + c
+    element 2c + 1.
     Exact for scale bytes in mxfp4_fast.FAST_SCALES (the caller checks)."""
     if packed_RC.shape != (ROWS, BYTES):
         raise ValueError(f"fast_chunk takes codes [{ROWS}, {BYTES}], got {packed_RC.shape}")

@@ -1,12 +1,13 @@
 """The custom VJP of MXFP4 grouped matmuls: frozen weights, a gradient for x only.
 
-The forward is mosaic_sm90_mxfp4's kernel on "pallas" / "interpret" (it has
-no autodiff rule) and blocked.py's scan on "xla" (one active expert
-dequantized at a time). The backward is explicit on every backend, on
-blocked.py's scan, so it never holds a dequantized copy of all local experts
-(and never autodiffs a scan, which crashed XLA:CPU under an 8-device
-shard_map, and whose residuals would stack one dequantized [K, N] weight per
-item):
+The forward on "pallas" / "interpret" is a Mosaic kernel (no autodiff rule):
+mosaic_sm90_mxfp4_swap_ab's, unless mosaic_sm90_mxfp4's row-major tiles read
+each group's weights fewer times (mosaic_sm90_mxfp4_swap_ab.block_t_for);
+on "xla" blocked.py's scan (one active expert dequantized at a time). The
+backward is explicit on every backend, on blocked.py's scan, so it never
+holds a dequantized copy of all local experts (and never autodiffs a scan,
+which crashed XLA:CPU under an 8-device shard_map, and whose residuals would
+stack one dequantized [K, N] weight per item):
 
   grouped_matmul, y = x @ W[g]:
     dx_MK = blocked.grouped_matmul_nt(dy_MN, (W,))      dy @ W[g]^T, W[g]
@@ -28,7 +29,7 @@ import functools
 
 import jax
 
-from pallas_kernels.grouped_matmul import blocked, mosaic_sm90_mxfp4
+from pallas_kernels.grouped_matmul import blocked, mosaic_sm90_mxfp4, mosaic_sm90_mxfp4_swap_ab
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.vma import like_primal, varying_like_inputs
 
@@ -40,6 +41,13 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"mxfp4_vjp: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def kernel_module(x_MK: jax.Array, w_GKN: Mxfp4Weights, num_weights: int):
+    """The Mosaic kernel module a launch runs: mosaic_sm90_mxfp4_swap_ab, or
+    mosaic_sm90_mxfp4 where block_t_for says its tiles read the weights fewer times."""
+    block_t = mosaic_sm90_mxfp4_swap_ab.block_t_for(x_MK.shape[0], w_GKN.shape[0], num_weights)
+    return mosaic_sm90_mxfp4 if block_t is None else mosaic_sm90_mxfp4_swap_ab
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_matmul(x_MK: jax.Array, w_GKN: Mxfp4Weights, group_sizes_G: jax.Array,
                    impl: str) -> jax.Array:
@@ -48,8 +56,8 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: Mxfp4Weights, group_sizes_G: jax.Arra
     if impl == "xla":
         y_MN = blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G)
     else:
-        y_MN = mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x_MK, w_GKN, group_sizes_G,
-                                                      interpret=impl == "interpret")
+        y_MN = kernel_module(x_MK, w_GKN, 1).grouped_matmul_mxfp4(
+            x_MK, w_GKN, group_sizes_G, interpret=impl == "interpret")
     return varying_like_inputs(y_MN, x_MK, *jax.tree.leaves(w_GKN), group_sizes_G)
 
 
@@ -77,7 +85,7 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: Mxfp4Weights, w_up_GKN: Mxfp4W
         h_MN = blocked.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta,
                                         linear_beta=linear_beta)
     else:
-        h_MN = mosaic_sm90_mxfp4.grouped_situ_glu_mxfp4(
+        h_MN = kernel_module(x_MK, w_gate_GKN, 2).grouped_situ_glu_mxfp4(
             x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta,
             interpret=impl == "interpret")
     return varying_like_inputs(h_MN, x_MK, *jax.tree.leaves((w_gate_GKN, w_up_GKN)),

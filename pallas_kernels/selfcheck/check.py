@@ -91,8 +91,8 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
     """A launcher that runs config's own tiling on inputs with fewer groups
     (the dispatch would re-pick tiles from the smaller shape): the committed
     pick through tune.launcher on the Mosaic backends, the Triton dispatch's
-    tiles passed explicitly, and MXFP4 Mosaic kernels, whose tiling does not
-    depend on the groups, through the dispatch."""
+    tiles passed explicitly, and the MXFP4 Mosaic kernel the dispatch takes
+    for config's shape, with its block_t (_mxfp4_launcher)."""
     from pallas_kernels.selfcheck import tune
 
     if config.backend == "triton":
@@ -114,8 +114,26 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
             return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
         return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)
     if config.w_dtype == MXFP4:
-        return launcher(config, config.backend)
+        return _mxfp4_launcher(config)
     return tune.launcher(config, tune.candidates(config)[0])
+
+
+def _mxfp4_launcher(config: KernelConfig) -> Callable:
+    """The Mosaic MXFP4 kernel the dispatch takes for config's own shape
+    (config.tiles), with its block_t, on any groups."""
+    from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4, mosaic_sm90_mxfp4_swap_ab
+
+    block_t = mosaic_sm90_mxfp4_swap_ab.block_t_for(config.m, config.groups, config.num_weights)
+    if block_t is None:
+        module, kwargs = mosaic_sm90_mxfp4, {}
+    else:
+        module = mosaic_sm90_mxfp4_swap_ab
+        kwargs = {"config": mosaic_sm90_mxfp4_swap_ab.Mxfp4SwapABConfig(block_t=block_t)}
+    kwargs["interpret"] = config.backend == "interpret"
+    if config.op == "grouped_matmul":
+        return lambda x, ws, gs: module.grouped_matmul_mxfp4(x, ws[0], gs, **kwargs)
+    return lambda x, ws, gs: module.grouped_situ_glu_mxfp4(
+        x, ws[0], ws[1], gs, beta=config.beta, linear_beta=config.linear_beta, **kwargs)
 
 
 def launcher(config: KernelConfig, backend: str) -> Callable:

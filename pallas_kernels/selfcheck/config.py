@@ -98,8 +98,10 @@ def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype
         return describe_tiles("triton", default_tiles(m, groups, num_weights,
                                                       jnp.dtype(x_dtype).itemsize,
                                                       w_dtype == MXFP4))
-    if w_dtype == MXFP4:
-        return "mxfp4"
+    if w_dtype == MXFP4:   # the Mosaic MXFP4 dispatch (mxfp4_vjp.kernel_module)
+        from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab
+        block_t = mosaic_sm90_mxfp4_swap_ab.block_t_for(m, groups, num_weights)
+        return "mxfp4 row_major" if block_t is None else f"mxfp4 swap_ab t{block_t}"
     if m == 0 or n == 0:
         return "empty"
     dtype = jnp.result_type(jnp.dtype(x_dtype), jnp.dtype(w_dtype)).name

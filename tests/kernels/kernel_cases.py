@@ -83,6 +83,22 @@ def mxfp4_from_kn(packed_GKN, scale_GKN):
     return Mxfp4Weights(jnp.swapaxes(jnp.asarray(packed_GKN), 1, 2), jnp.asarray(scale_GKN))
 
 
+def random_mxfp4(rng: np.random.Generator, g: int, k: int, n: int, lo: int = 120,
+                 hi: int = 134) -> tuple[np.ndarray, np.ndarray]:
+    """Random codes uint8 [G, K/2, N] (packed along K) and scale bytes uint8
+    [G, K/32, N] in [lo, hi)."""
+    return (rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8),
+            rng.integers(lo, hi, (g, k // 32, n), dtype=np.uint8))
+
+
+def decode_mxfp4_gkn(packed_GKN, scale_GKN) -> np.ndarray:
+    """float64 [G, K, N] of codes packed along axis 1 (random_mxfp4's layout),
+    through the codec (which decodes along the last axis)."""
+    from pallas_kernels.mxfp4 import dequant_numpy
+    return np.swapaxes(dequant_numpy(np.swapaxes(packed_GKN, 1, 2), np.swapaxes(scale_GKN, 1, 2)),
+                       1, 2).astype(np.float64)
+
+
 def group_pattern(name: str, m: int, g: int) -> np.ndarray:
     """int32 [g] group sizes for a named pattern over m rows."""
     if name == "uniform":

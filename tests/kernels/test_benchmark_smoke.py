@@ -172,13 +172,14 @@ def test_model_only_writes_every_row_of_the_sweep_without_a_gpu(tmp_path):
     for r in rows:
         assert fields <= set(r) and r["predicted_us"] > 0 and 0 < r["sm_fill"] <= 1, r
     assert all(r["weight_reads_per_active_expert"] <= 1.05 for r in model["grouped"])
-    # MXFP4 rows (mosaic_sm90_mxfp4's kernel): 17/32 of the bf16 rows' weight bytes
+    # MXFP4 rows (at decode, mosaic_sm90_mxfp4_swap_ab's kernel): 17/32 of the
+    # bf16 rows' weight bytes
     by_op = {r["op"]: r for r in model["grouped"]}
     for op in ("gate_up_situ", "down"):
         mx, bf = by_op[op + "_mxfp4"], by_op[op]
-        assert mx["config"]["kernel"] == "mosaic_sm90_mxfp4" and mx["config"]["mxfp4"]
+        assert mx["config"]["kernel"] == "mosaic_sm90_mxfp4_swap_ab" and mx["config"]["mxfp4"]
         assert bf["config"]["kernel"] in ("mosaic_sm90", "mosaic_sm90_swap_ab")
-        assert mx["config"]["num_compute_wgs"] == 1
+        assert mx["config"]["num_compute_wgs"] == 2
         per_read = [r["hbm_bytes"]["weights"] / r["weight_reads_per_active_expert"]
                     for r in (mx, bf)]
         assert per_read[0] == pytest.approx(per_read[1] * 17 / 64)

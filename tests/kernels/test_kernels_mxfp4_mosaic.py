@@ -1,7 +1,9 @@
 """The Mosaic GPU MXFP4 kernel (mosaic_sm90_mxfp4.py): in-kernel decode of
 packed E2M1 codes + UE8M0 scales, bf16 WGMMA, in GPU interpret mode against
 float64 products of the same decoded codes, x's gradient, the dispatch, and
-the sm_90a compile (deviceless, ptxas) at K3 shapes.
+the sm_90a compile (deviceless, ptxas) at K3 shapes. Through the grouped
+ops, the small launches here take the swap-AB kernel
+(test_kernels_mxfp4_swap_ab.py) and its exact fallback, this kernel's.
 
 Measured on the shared 2-core machine: the interpret tests ~10-20 s each
 (most of it tracing/compiling the interpreted kernel), the four sm_90a
@@ -24,18 +26,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 from pallas_kernels import grouped_matmul, grouped_situ_glu, interpret_compat, mxfp4_fast
-from pallas_kernels.grouped_matmul import api
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
-from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
+from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
+from pallas_kernels.mxfp4 import Mxfp4Weights, dequant
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
-
-
-def _decode_gkn(packed, scale) -> np.ndarray:
-    """float64 [G, K, N] of the codes, through the codec (decodes along the last axis)."""
-    return np.swapaxes(dequant_numpy(np.swapaxes(packed, 1, 2), np.swapaxes(scale, 1, 2)),
-                       1, 2).astype(np.float64)
 
 
 def _decode_kernel(n: int, path: str = "exact"):
@@ -82,7 +78,7 @@ def test_in_kernel_decode_is_the_codec_bit_for_bit():
                      .astype(F32)).T                          # [128, n]: K (kernel order), n
     want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), F32, axis=0))
     want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # even K, then odd
-    assert np.array_equal(want, _decode_gkn(packed[None], scale[None])[0]
+    assert np.array_equal(want, kc.decode_mxfp4_gkn(packed[None], scale[None])[0]
                           .reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n), equal_nan=True)
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
@@ -112,11 +108,6 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
     np.testing.assert_array_equal(got, want)
 
 
-def _random_mxfp4(rng, g, k, n, lo=120, hi=134):
-    return (rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8),
-            rng.integers(lo, hi, (g, k // 32, n), dtype=np.uint8))
-
-
 # (m, k, n, g, pattern): odd group sizes, empty groups, a NaN-poisoned tail,
 # M below one 64-row tile, K not a multiple of the 128-element K step (padded),
 # N not a multiple of the column block (padded).
@@ -129,13 +120,13 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     m, k, n, g, pattern = case
     rng = np.random.default_rng(m + k)
     # scale bytes 0..3 too: products of bf16-subnormal (flushed) weights
-    (pg, sg), (pu, su) = _random_mxfp4(rng, g, k, n), _random_mxfp4(rng, g, k, n)
+    (pg, sg), (pu, su) = kc.random_mxfp4(rng, g, k, n), kc.random_mxfp4(rng, g, k, n)
     sg[..., ::7] = rng.integers(0, 4, sg[..., ::7].shape)
     x = kc.normal(jax.random.key(m), (m, k), dtype, scale=0.1)
     sizes = kc.group_pattern(pattern, m, g)
     x = kc.poison_tail(x, sizes)                # NaN rows past sum(sizes) must not leak
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
-    dg, du = _decode_gkn(pg, sg), _decode_gkn(pu, su)
+    dg, du = kc.decode_mxfp4_gkn(pg, sg), kc.decode_mxfp4_gkn(pu, su)
     tol = kc.kernel_tol(dtype)
     y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(x, wg, sizes)
     assert y.dtype == dtype and y.shape == (m, n)
@@ -147,11 +138,12 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
 def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
-    """Every scale byte in FAST_SCALES: the launch runs the fast kernel
-    (mk.needs_exact is False) and matches the float64 products."""
+    """Every scale byte in FAST_SCALES: the row-major launch (called
+    directly: the dispatch takes the swap-AB kernel at this size) runs the
+    fast kernel (mk.needs_exact is False) and matches the float64 products."""
     m, k, n, g = 70, 256, 72, 4
     rng = np.random.default_rng(11)
-    (pg, sg), (pu, su) = (_random_mxfp4(rng, g, k, n, lo=112, hi=129) for _ in range(2))
+    (pg, sg), (pu, su) = (kc.random_mxfp4(rng, g, k, n, lo=112, hi=129) for _ in range(2))
     sg[..., ::5] = rng.integers(2, 8, sg[..., ::5].shape)       # the smallest fast scales
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
     assert not bool(mk.needs_exact([wg.scale_GKN, wu.scale_GKN]))
@@ -160,13 +152,13 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
     sizes = kc.group_pattern("sum_lt_m", m, g)
     x = kc.poison_tail(x, sizes)
     tol = kc.kernel_tol(dtype)
-    y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(x, wg, sizes)
-    kc.assert_grouped_output(y, kc.np_grouped_matmul(x, _decode_gkn(pg, sg), sizes), sizes, tol,
+    y = jax.jit(lambda x, w, s: mk.grouped_matmul_mxfp4(x, w, s, interpret=True))(x, wg, sizes)
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(x, kc.decode_mxfp4_gkn(pg, sg), sizes), sizes, tol,
                              "plain")
-    h = jax.jit(lambda x, a, b, s: grouped_situ_glu(x, a, b, s, backend="interpret", **SITU))(
+    h = jax.jit(lambda x, a, b, s: mk.grouped_situ_glu_mxfp4(x, a, b, s, interpret=True, **SITU))(
         x, wg, wu, sizes)
-    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, _decode_gkn(pg, sg), _decode_gkn(pu, su),
-                                                       sizes), sizes, tol, "fused")
+    dg, du = kc.decode_mxfp4_gkn(pg, sg), kc.decode_mxfp4_gkn(pu, su)
+    kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, dg, du, sizes), sizes, tol, "fused")
 
 
 def test_nan_scale_reaches_only_its_group_and_columns():
@@ -174,7 +166,7 @@ def test_nan_scale_reaches_only_its_group_and_columns():
     columns are NaN, every other output is finite (NaN never passes silently)."""
     m, k, n, g = 12, 64, 64, 3
     rng = np.random.default_rng(5)
-    packed, scale = _random_mxfp4(rng, g, k, n)
+    packed, scale = kc.random_mxfp4(rng, g, k, n)
     scale[1, 0, 3] = 255
     sizes = np.array([4, 4, 4], np.int32)
     x = kc.normal(jax.random.key(1), (m, k), BF16)
@@ -191,9 +183,9 @@ def test_x_gradient_through_the_kernel_matches_float32():
     m, k, n, g = 20, 64, 48, 3
     rng = np.random.default_rng(11)
     # O(1) pre-activations (weights |w| <= 6 * 2**-4), so the SiTU derivative stays finite
-    (pg, sg), (pu, su) = (_random_mxfp4(rng, g, k, n, 112, 124) for _ in range(2))
+    (pg, sg), (pu, su) = (kc.random_mxfp4(rng, g, k, n, 112, 124) for _ in range(2))
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
-    dg, du = (jnp.asarray(_decode_gkn(p, s), F32) for p, s in ((pg, sg), (pu, su)))
+    dg, du = (jnp.asarray(kc.decode_mxfp4_gkn(p, s), F32) for p, s in ((pg, sg), (pu, su)))
     sizes = jnp.array([7, 0, 10], jnp.int32)
     x = kc.normal(jax.random.key(2), (m, k), F32, scale=0.1)
     t = kc.normal(jax.random.key(3), (m, n), F32)
@@ -219,32 +211,38 @@ def test_x_gradient_through_the_kernel_matches_float32():
 
 
 def test_dispatch():
-    """MXFP4 on "pallas"/"interpret" -> the kernel, "xla" -> the blocked path;
+    """MXFP4 on "pallas"/"interpret" -> a Mosaic kernel (the swap-AB one,
+    or this row-major one where its tiles read the weights fewer times: the
+    fused product past 48 rows a group), "xla" -> the blocked path;
     float16 x on the kernel is a clear error naming the dtype."""
     calls = []
-    original = mk._mxfp4_call
+    originals = {mod: mod._call if mod is sw else mod._mxfp4_call for mod in (mk, sw)}
 
-    def spy(x_MK, weights, group_sizes_G, **kwargs):
-        calls.append((len(weights), kwargs["interpret"]))
-        return original(x_MK, weights, group_sizes_G, **kwargs)
+    def spy(mod):
+        def call(x_MK, weights, group_sizes_G, **kwargs):
+            calls.append((mod.__name__.rsplit(".", 1)[1], len(weights), kwargs["interpret"]))
+            return originals[mod](x_MK, weights, group_sizes_G, **kwargs)
+        return call
 
     w = Mxfp4Weights(jax.ShapeDtypeStruct((2, 64, 32), jnp.uint8),
                      jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8))
-    x, s = jax.ShapeDtypeStruct((16, 64), BF16), jax.ShapeDtypeStruct((2,), jnp.int32)
-    mk_call = mk._mxfp4_call
+    s = jax.ShapeDtypeStruct((2,), jnp.int32)
     try:
-        mk._mxfp4_call = spy
-        for backend in ("interpret", "xla"):
-            jax.eval_shape(lambda x, w, s: grouped_matmul(x, w, s, backend=backend), x, w, s)
-            jax.eval_shape(lambda x, w, s: grouped_situ_glu(x, w, w, s, backend=backend, **SITU),
-                           x, w, s)
+        mk._mxfp4_call, sw._call = spy(mk), spy(sw)
+        for m in (16, 1024):   # block_t_for: 24 rows a tile; 128 plain, None fused
+            x = jax.ShapeDtypeStruct((m, 64), BF16)
+            for backend in ("interpret", "xla"):
+                jax.eval_shape(lambda x, w, s: grouped_matmul(x, w, s, backend=backend), x, w, s)
+                jax.eval_shape(lambda x, w, s: grouped_situ_glu(x, w, w, s, backend=backend,
+                                                                **SITU), x, w, s)
     finally:
-        mk._mxfp4_call = mk_call
-    assert calls == [(1, True), (2, True)], calls
+        mk._mxfp4_call, sw._call = originals[mk], originals[sw]
+    swap_ab, row_major = "mosaic_sm90_mxfp4_swap_ab", "mosaic_sm90_mxfp4"
+    assert calls == [(swap_ab, 1, True), (swap_ab, 2, True),
+                     (swap_ab, 1, True), (row_major, 2, True)], calls
     with pytest.raises(ValueError, match="bfloat16 or float32 x, got float16"):
         jax.eval_shape(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"),
-                       jax.ShapeDtypeStruct((16, 64), jnp.float16), w, s)
-    assert api.mxfp4_vjp.mosaic_sm90_mxfp4 is mk
+                       jax.ShapeDtypeStruct((1024, 64), jnp.float16), w, s)
 
 
 def test_plan_fits_smem_at_k3_shapes():

@@ -1,9 +1,11 @@
 """The MXFP4 Mosaic kernel (mosaic_sm90_mxfp4.py) compiles for the H200
 (sm_90a) through ptxas without a GPU, at K3's routed-expert shapes at EP 8
 (112 local experts; gate/up: K 3584 -> N 3072, fused; down: K 3072 -> N 3584)
-at decode (16 tokens x top-16 = 256 rows) and prefill (4096 tokens = 65536 rows).
+at decode (16 and 256 tokens x top-16 = 256 and 4096 rows) and prefill
+(4096 tokens = 65536 rows).
 
-Every configuration compiles to two kernels (the fast one and the exact
+Every configuration compiles to two kernels (the fast one: the swap-AB
+kernel at decode, the row-major one at prefill; and the exact row-major
 fallback), each with 0 spill bytes (the fused tile's SiTU epilogue stages the
 gate products through SMEM to get there). The four are
 benchmarks/compile_table.py's MXFP4 configurations (the grouped ops' MXFP4
@@ -26,13 +28,14 @@ from compile_cache import kernel_reports
 
 from benchmarks import compile_table
 from pallas_kernels import mxfp4_fast
+from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 
 pytestmark = pytest.mark.compile
 
 LOCAL_EXPERTS = 112   # 896 experts / EP 8
 TOP_K = 16
 SHAPES = {"gate_up_situ": (3584, 3072, 2), "down": (3072, 3584, 1)}
-TOKENS = {"decode": 16, "prefill": 4096}
+TOKENS = {"decode": 16, "decode_256": 256, "prefill": 4096}
 
 
 def test_the_configurations_are_k3s_at_ep8():
@@ -46,24 +49,36 @@ def test_the_configurations_are_k3s_at_ep8():
                                              (LOCAL_EXPERTS, k // 32, n)] * num_w
 
 
-# The fast kernel's K step (pallas_kernels.mxfp4_fast's sequence, one scale
-# per row and block, SMEM round trip of the bf16 tile), counted in SASS by
-# k3jax.kernel_sass: 3.46 (down) and 3.96 (gate/up) per weight at these
-# shapes; the exact kernel's about 14. A change that makes the fast path
-# dearer fails here.
-FAST_SASS_PER_WEIGHT_MAX = 4.5
+# The fast kernels' K steps (pallas_kernels.mxfp4_fast's sequence, one scale
+# per row and block), counted in SASS by k3jax.kernel_sass: row-major 3.46
+# (down) and 3.96 (gate/up) per weight (with the SMEM round trip of the bf16
+# tile), swap-AB 3.36 / 3.07 at decode (A from registers); the exact kernel's
+# about 14. A change that makes a fast path dearer fails here.
+FAST_SASS_PER_WEIGHT_MAX = {"row_major": 4.5, "swap_ab": 3.6}
+# The weight elements one consumer warpgroup's K step multiplies, by weights
+# a launch: the row-major tile's [128, 128] bf16 B (64 wide when fused,
+# twice), the swap-AB warpgroup's [64, 128] A fragment per weight.
+FAST_WEIGHTS = {"row_major": {1: 128 * 128, 2: 128 * 128},
+                "swap_ab": {1: 64 * 128, 2: 2 * 64 * 128}}
 
 
 @pytest.mark.parametrize("phase", list(TOKENS))
 @pytest.mark.parametrize("op", list(SHAPES))
 def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
-    """Two kernels a launch: the fast one and the exact one it falls back on
-    for weights with a scale byte outside FAST_SCALES."""
+    """Two kernels a launch: the fast one (swap-AB at decode, row-major at
+    prefill) and the exact row-major one it falls back on for weights with a
+    scale byte outside FAST_SCALES."""
     found = kernel_reports(f"{op}_mxfp4 ep=8 tokens={TOKENS[phase]}")
     base = "grouped_situ_glu" if op == "gate_up_situ" else "grouped_matmul"
+    num_w = SHAPES[op][2]
+    # the fast kernel the dispatch takes (mxfp4_vjp.kernel_module)
+    block_t = sw.block_t_for(TOKENS[phase] * TOP_K, LOCAL_EXPERTS, num_w)
+    kind, suffix = ("row_major", "_mxfp4_m64") if block_t is None else \
+        ("swap_ab", f"_mxfp4_swap_ab_t{block_t}")
+    fast_weights = FAST_WEIGHTS[kind][num_w]
     by_kind = {("exact" if "_mxfp4_exact_" in r.name else "fast"): r for r in found}
     assert len(found) == 2 and set(by_kind) == {"fast", "exact"}, found
-    assert by_kind["fast"].name.startswith(f"{base}_mxfp4_m64"), found
+    assert re.fullmatch(rf"{base}{suffix}(_\d+)?", by_kind["fast"].name), found
     assert by_kind["exact"].name.startswith(f"{base}_mxfp4_exact_m64"), found
     for r in found:
         assert 0 < r.registers <= 255 and 0 < r.smem_bytes <= 232_448, r
@@ -71,10 +86,13 @@ def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
         assert r.spill_bytes == 0, r
         # the consumer K step's SASS is counted (k3jax.kernel_sass): every
         # weight element of the step is multiplied once per x plane
-        assert r.k_step is not None and r.k_step.mma_kn == 128 * 128, r
+        assert r.k_step is not None, r
+    assert by_kind["exact"].k_step.mma_weights == 128 * 128, found
     fast, exact = by_kind["fast"].k_step, by_kind["exact"].k_step
-    assert fast.per_weight() <= FAST_SASS_PER_WEIGHT_MAX < exact.per_weight(), (fast, exact)
-    assert fast.nested_trips == () and dict(fast.by_opcode)["HMUL2"] == 64, fast
+    assert fast.mma_weights == fast_weights, fast
+    assert fast.per_weight() <= FAST_SASS_PER_WEIGHT_MAX[kind] < exact.per_weight(), (fast, exact)
+    # one bf16x2 multiply per two weights the warpgroup dequantizes
+    assert fast.nested_trips == () and dict(fast.by_opcode)["HMUL2"] == fast_weights // 256, fast
 
 
 def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
