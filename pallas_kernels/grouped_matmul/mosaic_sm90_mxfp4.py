@@ -354,6 +354,16 @@ def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.
     return packed, scale
 
 
+def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int, n_pad: int,
+                    planes: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """(x planes [rows, k_pad] in k_order, (packed, scale) per weight padded by
+    pad_weight): the operands both MXFP4 kernels stream (planes 2: float32 x
+    as hi + lo bf16)."""
+    x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, rows), 1, k_pad)
+    x_planes = [k_order(p) for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
+    return x_planes, [a for w in weights for a in pad_weight(w, k_pad, n_pad)]
+
+
 def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
               cfg: sm90.TileConfig | None, interpret, fast: bool) -> jax.Array:
     """One launch of the fast (``fast``) or the exact kernel: pad, put x in
@@ -362,10 +372,8 @@ def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     out_dtype = x_MK.dtype
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
-    x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, launch.m_pad), 1, launch.k_pad)
-    x_planes = [k_order(p) for p in
-                (tiling.split_bf16(x_pad) if launch.planes == 2 else [x_pad])]
-    w_refs = [a for w in weights for a in pad_weight(w, launch.k_pad, launch.n_pad)]
+    x_planes, w_refs = kernel_operands(x_MK, weights, rows=launch.m_pad, k_pad=launch.k_pad,
+                                       n_pad=launch.n_pad, planes=launch.planes)
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,

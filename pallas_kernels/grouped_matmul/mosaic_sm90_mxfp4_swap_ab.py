@@ -263,10 +263,8 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     out_dtype = x_MK.dtype
     plan = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     block_t = plan.cfg.block_t
-    x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, plan.x_rows), 1, plan.k_pad)
-    x_planes = [row_major_mxfp4.k_order(p) for p in
-                (tiling.split_bf16(x_pad) if plan.planes == 2 else [x_pad])]
-    w_refs = [a for w in weights for a in row_major_mxfp4.pad_weight(w, plan.k_pad, plan.n_pad)]
+    x_planes, w_refs = row_major_mxfp4.kernel_operands(
+        x_MK, weights, rows=plan.x_rows, k_pad=plan.k_pad, n_pad=plan.n_pad, planes=plan.planes)
     meta_4W = schedule(group_sizes_G, m, block_t)
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=plan.planes, plan=plan,
                       out_dtype=out_dtype, interpret=bool(interpret))
