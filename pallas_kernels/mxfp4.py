@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mxfp4_words import deinterleave_words, interleave_words
+
 BLOCK_SIZE = 32
 """Elements that share one UE8M0 scale."""
 
@@ -203,8 +205,11 @@ class Mxfp4Weights:
     """One MXFP4 weight of logical shape [G, K, N] (x_MK @ w[g] contracts K).
 
     * packed_GNK uint8 [G, N, K/2]: the checkpoint's [out, in] orientation,
-      two E2M1 codes per byte along K (low nibble first), each output row's
-      K/2 bytes contiguous; the loader places the stored bytes unchanged.
+      each output row's K/2 bytes contiguous, in the word layout
+      (pallas_kernels.mxfp4_words): the checkpoint's bytes with the bits of
+      every 4 permuted for the kernels' fast dequantization. The loader
+      interleaves the stored bytes (``from_checkpoint``); ``dequantize`` and
+      ``expert`` undo it inside their XLA fusion.
     * scale_GKN uint8 [G, K/32, N]: the UE8M0 scales, K-block major (one row
       of N bytes per 32 K elements). The loader transposes them from the
       stored [N, K/32]: a kernel's K step needs 4 scale bytes per output row,
@@ -214,6 +219,17 @@ class Mxfp4Weights:
 
     packed_GNK: jax.Array
     scale_GKN: jax.Array
+
+    @classmethod
+    def from_checkpoint(cls, packed_GNK, scale_GKN) -> Mxfp4Weights:
+        """The weight of checkpoint codes uint8 [G, N, K/2] (two E2M1 codes a
+        byte along K, low nibble first) and scales uint8 [G, K/32, N]: the
+        codes interleaved into the word layout (numpy stays numpy)."""
+        return cls(interleave_words(packed_GNK), scale_GKN)
+
+    def checkpoint_codes(self) -> jax.Array:
+        """The codes in the checkpoint's byte layout, uint8 [G, N, K/2]."""
+        return deinterleave_words(self.packed_GNK)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -242,7 +258,8 @@ class Mxfp4Weights:
 
     def expert(self, g: jax.Array | int, dtype) -> jax.Array:
         """Group ``g``'s weight [K, N] in ``dtype`` (g may be traced)."""
-        packed_NK = jax.lax.dynamic_index_in_dim(self.packed_GNK, g, 0, keepdims=False)
+        packed_NK = deinterleave_words(
+            jax.lax.dynamic_index_in_dim(self.packed_GNK, g, 0, keepdims=False))
         scale_KN = jax.lax.dynamic_index_in_dim(self.scale_GKN, g, 0, keepdims=False)
         # The uint8 codes are turned, not the dequantized [N, K] (4x the bytes):
         # XLA reads them transposed inside the dequant's fusion.
@@ -250,7 +267,7 @@ class Mxfp4Weights:
 
     def dequantize(self, dtype) -> jax.Array:
         """Every group [G, K, N] in ``dtype`` (for tests and small shapes only)."""
-        return jax.vmap(lambda p, s: dequant(p.T, s, dtype, axis=0))(self.packed_GNK,
+        return jax.vmap(lambda p, s: dequant(p.T, s, dtype, axis=0))(self.checkpoint_codes(),
                                                                      self.scale_GKN)
 
 

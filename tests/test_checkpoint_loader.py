@@ -35,6 +35,7 @@ from k3jax.config import TINY
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
 from numerics import jitted, rel_err
+from pallas_kernels.mxfp4_words import deinterleave_words, interleave_words
 
 CFG = TINY.replace(num_hidden_layers=3)
 MOE = layer_prefix(1, True)
@@ -65,10 +66,13 @@ def stored(ckpt) -> dict[str, np.ndarray]:
 
 def expected_param(decl, ref, prefix, tensors, num_experts):
     """The full parameter a loader must build: stored [out, in] tensors
-    transposed (those whose TensorRef says so), experts stacked, zero rows
-    where ``decl.padding`` says."""
+    transposed (those whose TensorRef says so), packed MXFP4 codes in the
+    word layout (interleave_words), experts stacked, zero rows where
+    ``decl.padding`` says."""
     def one(e):
         a = tensors[ref.name(prefix, e)]
+        if ref.packed and not ref.transpose:
+            return interleave_words(a)
         return a.T if ref.transpose else a
     logical = np.stack([one(e) for e in range(num_experts)]) if ref.per_expert else one(None)
     logical = logical.astype(decl.dtype)
@@ -104,11 +108,13 @@ def check_bitwise(module, layer, tensors, parallel=ParallelConfig(), mesh=None,
         np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint8),
                                       np.ascontiguousarray(want).view(np.uint8), err_msg=decl.name)
     if is_moe and experts is ExpertStorage.MXFP4:
-        # packed codes are held [E, out, in/2]: the stored tensors, stacked, unchanged
+        # packed codes are held [E, out, in/2]: the stored tensors, stacked, each
+        # 4 bytes' bits interleaved, which deinterleave_words undoes exactly
         for w, name in (("w1", "w1_packed_EFL"), ("w3", "w3_packed_EFL"), ("w2", "w2_packed_ELF")):
             want = np.stack([tensors[f"{prefix}experts.{e}.{w}.weight_packed"]
                              for e in range(CFG.num_experts)])
-            np.testing.assert_array_equal(np.asarray(params[name]), want, err_msg=name)
+            np.testing.assert_array_equal(deinterleave_words(np.asarray(params[name])), want,
+                                          err_msg=name)
 
 
 @pytest.mark.parametrize("ckpt, parallel, dtype", [

@@ -194,32 +194,39 @@ def test_the_source_closes_after_reading_its_blocks(ckpt):
     assert not any(t.name == "k3jax-prefetch" and t.is_alive() for t in threading.enumerate())
 
 
-def test_packed_codes_are_the_blocks_read_on_a_cpu_device(ckpt, monkeypatch):
-    """Packed MXFP4 codes are held [E, out, in/2] as stored: on a CPU device
-    the block read is the parameter (never a staging buffer; device_put
-    aliases it, no copy), and only transposed blocks are staged; where
-    device_put copies (an accelerator) every block is a staging copy."""
+def test_packed_codes_are_interleaved_on_the_device_and_1d_blocks_aliased(ckpt, monkeypatch):
+    """Packed MXFP4 codes, read [E, out, in/2] as stored, are interleaved into
+    the word layout on the device (interleave_codes), so their blocks are
+    staging copies like the transposed ones; on a CPU device a block without
+    a device op (1-D) is the parameter itself (device_put aliases it, no
+    copy). Where device_put copies (an accelerator) every block is staged."""
     import jax
 
     from k3jax.checkpoint import source as source_module
     from k3jax.checkpoint.pipeline import devices_copy_blocks
+    from pallas_kernels.mxfp4_words import deinterleave_words
 
     parallel = ParallelConfig()
     mesh = make_mesh(parallel)
     assert not devices_copy_blocks(mesh)
     put = jax.device_put
-    aliased = {}   # id of a placed uint8 3-D block's device buffer -> whether it is the block's memory
+    aliased = {}   # id of a placed 1-D block's device buffer -> whether it is the block's memory
+    codes = []     # the uint8 3-D blocks read (packed codes, as stored)
 
     def spy(x, device=None, *args, **kw):
         y = put(x, device, *args, **kw)
-        if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3:
+        if isinstance(x, np.ndarray) and x.ndim == 1:
             aliased[y.unsafe_buffer_pointer()] = y.unsafe_buffer_pointer() == x.ctypes.data
+        if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3:
+            codes.append(x.copy())
         return y
     monkeypatch.setattr(jax, "device_put", spy)
     module = load_layer(ckpt, 1, parallel, mesh, backend="xla", dtype=jnp.bfloat16)
+    (shard,) = module.router_bias_E[...].addressable_shards
+    assert aliased.get(shard.data.unsafe_buffer_pointer()), "router_bias_E"   # uncopied
     for name in ("w1_packed_EFL", "w3_packed_EFL", "w2_packed_ELF"):
-        (shard,) = getattr(module, name)[...].addressable_shards
-        assert aliased.get(shard.data.unsafe_buffer_pointer()), name   # the block read, uncopied
+        held = deinterleave_words(np.asarray(getattr(module, name)[...]))
+        assert any(c.shape == held.shape and np.array_equal(c, held) for c in codes), name
     monkeypatch.setattr(jax, "device_put", put)
 
     plans = []
@@ -238,6 +245,6 @@ def test_packed_codes_are_the_blocks_read_on_a_cpu_device(ckpt, monkeypatch):
         source.check(decls)
         assert source.read_blocks(decls, mesh) == local_bytes(decls, mesh)
         staged = plans[-1]
-        assert [staged[n] for n in ("w1_packed_EFL", "w3_packed_EFL", "w2_packed_ELF")] == [copies] * 3
+        assert all(staged[n] for n in ("w1_packed_EFL", "w3_packed_EFL", "w2_packed_ELF"))
         assert staged["w1_scale_ELF"] and staged["w2_scale_EFL"] and staged["shared.gate_DF"]
         assert staged["router_bias_E"] is copies            # 1-D: held as stored too

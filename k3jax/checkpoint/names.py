@@ -2,8 +2,9 @@
 
 Every weight is stored ``[out, in]`` (torch Linear); k3jax parameters are
 ``[in, out]``, so most entries are transposed on load. The exception is the
-packed MXFP4 routed-expert codes, which k3jax holds ``[out, in/2]`` as stored
-(their scales are transposed like the weights). Routed experts are one
+packed MXFP4 routed-expert codes, which k3jax holds ``[out, in/2]`` as stored,
+their bits interleaved within each 4 bytes (pallas_kernels.mxfp4_words; their
+scales are transposed like the weights). Routed experts are one
 tensor per expert, stacked on load along the leading E axis.
 """
 
@@ -50,8 +51,9 @@ MOE_TENSORS: dict[str, TensorRef] = {
     "w3_ELF": TensorRef("experts.{e}.w3.weight", True, per_expert=True),
     "w2_EFL": TensorRef("experts.{e}.w2.weight", True, per_expert=True),
     **mlp_tensors("shared.", "shared_experts."),
-    # MXFP4 experts: the codes [E, out, in/2] are held as stored (each expert's
-    # tensor is its slice as it lies), the scales [E, in/32, out] transposed.
+    # MXFP4 experts: the codes [E, out, in/2] are held in the stored orientation
+    # (each expert's tensor is its slice as it lies), each 4 bytes' bits
+    # interleaved on the device (mxfp4_words); the scales [E, in/32, out] transposed.
     **{f"{w}_{part}_{axes}": TensorRef(f"experts.{{e}}.{w}.weight_{part}", part == "scale", True,
                                         packed=True)
        for w, part, axes in (("w1", "packed", "EFL"), ("w1", "scale", "ELF"),

@@ -2,25 +2,26 @@
 
 A parameter is placed one device block at a time (``place_blocks``): the
 block is read on the host in the checkpoint's stored orientation, put on the
-devices that hold it, and, for a weight stored ``[out, in]``, transposed
-there (``swap_last_axes``). ``Prefetcher`` reads the blocks of a whole layer
+devices that hold it, and changed there by the parameter's device op: a
+weight stored ``[out, in]`` is transposed (``swap_last_axes``), packed MXFP4
+codes are interleaved into the word layout ``Mxfp4Weights`` holds
+(``interleave_codes``). ``Prefetcher`` reads the blocks of a whole layer
 on one thread, in the order they will be placed, so reading overlaps the
 transfer and transposes of the blocks before; ``InFlight`` holds the last
 placed block until its device work is done, and then releases its share of
 the read-ahead budget: the host blocks read and not yet released, with the
 staging buffers below, never hold more than two of the plan's largest blocks.
 
-A block that is transposed on the devices is only a staging copy: the
-parameter is the transposed array. Such blocks are read into ``Staging``
-buffers that are reused from block to block (and layer to layer), so only
-the parameters themselves are written into fresh memory. Fresh memory costs
-a page fault per page on its first touch, which on a CPU device is CPU time
-taken from the reads and transposes. A block that is not transposed (packed
-MXFP4 expert codes, held [E, out, in/2] as stored; 1-D tensors) is, on a CPU
-device, read into fresh 64-byte aligned memory that becomes the parameter:
-the device aliases it (``jax.device_put`` copies nothing). An accelerator
-copies every block to its own memory, so there all blocks are staging
-copies (``devices_copy_blocks``).
+A block that a device op changes is only a staging copy: the parameter is
+the op's result. Such blocks are read into ``Staging`` buffers that are
+reused from block to block (and layer to layer), so only the parameters
+themselves are written into fresh memory. Fresh memory costs a page fault
+per page on its first touch, which on a CPU device is CPU time taken from
+the reads and device ops. A block without a device op (1-D tensors) is, on
+a CPU device, read into fresh 64-byte aligned memory that becomes the
+parameter: the device aliases it (``jax.device_put`` copies nothing). An
+accelerator copies every block to its own memory, so there all blocks are
+staging copies (``devices_copy_blocks``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.host import aligned_empty
+from pallas_kernels.mxfp4_words import interleave_words
 
 BlockKey = tuple
 """(parameter name, the block's index as (start, stop, step) per axis)."""
@@ -77,6 +79,17 @@ def block_key(index, shape) -> tuple:
 def swap_last_axes(x):
     """[..., a, b] -> [..., b, a] where ``x`` lies (the loader's on-device transpose)."""
     return jnp.swapaxes(x, -1, -2)
+
+
+@functools.partial(jax.jit, inline=True)
+def interleave_codes(x):
+    """MXFP4 codes uint8 [..., K/2] as stored -> the word layout, where ``x`` lies
+    (pallas_kernels.mxfp4_words.interleave_words: one fused elementwise pass)."""
+    return interleave_words(x)
+
+
+DeviceOp = Callable[[jax.Array], jax.Array]
+"""What the devices do to a placed block: swap_last_axes or interleave_codes."""
 
 
 class Staging:
@@ -220,10 +233,12 @@ class Prefetcher:
 
 
 def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
-                 transpose: bool = False, in_flight: InFlight | None = None) -> jax.Array:
+                 device_op: DeviceOp | None = None,
+                 in_flight: InFlight | None = None) -> jax.Array:
     """``jax.make_array_from_callback(shape, sharding, read)``, one block at a
-    time; ``read(index)`` gives the block with its last two axes swapped when
-    ``transpose`` (swapped back on the device).
+    time; ``read(index)`` gives the block as stored, ``device_op`` (if any)
+    makes the parameter's block of it on the device (the transpose read
+    gives the block with its last two axes swapped).
 
     Each distinct block among this process's devices is read once and put on
     the devices that hold it. Its device work is awaited and the host block
@@ -243,8 +258,8 @@ def place_blocks(shape: Sequence[int], sharding: NamedSharding, read,
         in_flight.drop_if_done()
         block = read(index)
         placed = [jax.device_put(block, d) for d in devices]   # the CPU may alias the block
-        if transpose:
-            staged, placed = placed, [swap_last_axes(a) for a in placed]
+        if device_op is not None:
+            staged, placed = placed, [device_op(a) for a in placed]
             in_flight.replace(block, placed, inputs=staged)
             del staged
         else:

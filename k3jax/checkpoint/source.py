@@ -8,10 +8,11 @@ each stored piece (one expert's slice, one tensor's slice) is read once,
 straight into its place, by a pool of worker threads (pieces of one block in
 parallel, a large piece split into chunks), and checked there (NaN / inf on
 the bits, MXFP4 scales). The block goes to its devices without a host copy,
-and, for a parameter held [in, out], the transpose to that orientation runs
-on the device. A parameter held as stored (packed MXFP4 expert codes,
-[E, out, in/2]; 1-D tensors) is the block itself: nothing but the transfer
-happens to it, and none on a CPU device, which aliases the block. With
+and the parameter's device op (``device_op``) runs there: the transpose of a
+parameter held [in, out], the word interleave of packed MXFP4 expert codes
+(held [E, out, in/2]). A parameter held as stored (1-D tensors) is the block
+itself: nothing but the transfer happens to it, and none on a CPU device,
+which aliases the block. With
 ``read_ahead`` a thread reads the blocks in the order they will be placed,
 into reused staging buffers those that are copied and dropped (transposed
 ones; on an accelerator, all; the pipeline module says how reading
@@ -33,18 +34,30 @@ from k3jax.checkpoint.host import Workers, aligned_empty, first_nonfinite
 from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
 from k3jax.checkpoint.pipeline import (
     BlockKey,
+    DeviceOp,
     InFlight,
     Prefetcher,
     Staging,
     block_key,
     block_nbytes,
     devices_copy_blocks,
+    interleave_codes,
     local_blocks,
     place_blocks,
+    swap_last_axes,
 )
 from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
 from k3jax.modules.params import ParamDecl
 from pallas_kernels.mxfp4 import BLOCK_SIZE, SCALE_NAN, dequant_numpy, validate_scales
+
+
+def device_op(ref: TensorRef) -> DeviceOp | None:
+    """What the devices do to a block of ``ref`` read as stored: transpose a
+    weight stored [out, in] (and MXFP4 scales), interleave packed MXFP4 codes
+    into the word layout Mxfp4Weights holds; nothing to the rest."""
+    if ref.transpose:
+        return swap_last_axes
+    return interleave_codes if ref.packed else None
 
 
 class CheckpointSource:
@@ -97,7 +110,7 @@ class CheckpointSource:
         will be asked for, on ``mesh``) on a thread, so that reading overlaps
         the transfer and transposes of the blocks before, within the
         Prefetcher's byte budget, in staging buffers those that are copied
-        and dropped (transposed ones; on an accelerator, all). Returns the
+        and dropped (those a device op changes; on an accelerator, all). Returns the
         blocks' keys in that order."""
         copied = devices_copy_blocks(mesh)
         plan = []
@@ -106,7 +119,8 @@ class CheckpointSource:
             sharding = NamedSharding(mesh, decl.spec)
             for index, _ in local_blocks(decl.shape, sharding):
                 plan.append(((decl.name, block_key(index, decl.shape)),
-                             block_nbytes(index, decl.shape, decl.dtype), ref.transpose or copied,
+                             block_nbytes(index, decl.shape, decl.dtype),
+                             device_op(ref) is not None or copied,
                              (decl, ref, self._stored[decl.name], index)))
         self._prefetch = Prefetcher(self._read_counted, plan, self.staging)
         self._in_flight.on_drop = self._prefetch.release
@@ -144,7 +158,7 @@ class CheckpointSource:
             if self._prefetch is not None:
                 return self._prefetch.take((decl.name, block_key(index, decl.shape)))
             return self._read_counted(decl, ref, stored, index)
-        return place_blocks(decl.shape, sharding, read, transpose=ref.transpose,
+        return place_blocks(decl.shape, sharding, read, device_op=device_op(ref),
                             in_flight=self._in_flight)
 
     def close(self) -> None:

@@ -109,9 +109,9 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes
 def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
     """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if isinstance(w_GKN, Mxfp4Weights):
-        if impl == "triton":   # in-kernel dequantization (W4A16)
-            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GNK, w_GKN.scale_GKN,
-                                                         group_sizes_G)
+        if impl == "triton":   # in-kernel dequantization (W4A16) of the checkpoint's codes
+            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.checkpoint_codes(),
+                                                         w_GKN.scale_GKN, group_sizes_G)
         # pallas / interpret: in-kernel dequant + bf16 WGMMA (W4A16); xla: blocked
         return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl)
     if impl == "xla":
@@ -156,10 +156,11 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
                               impl):
     """The forward dispatch of grouped_situ_glu (validated inputs, resolved backend)."""
     packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
-    if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16)
+    if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16), checkpoint codes
         return triton_kernels().grouped_situ_glu_mxfp4(
-            x_MK, w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN, w_up_GKN.packed_GNK,
-            w_up_GKN.scale_GKN, group_sizes_G, beta=beta, linear_beta=linear_beta)
+            x_MK, w_gate_GKN.checkpoint_codes(), w_gate_GKN.scale_GKN,
+            w_up_GKN.checkpoint_codes(), w_up_GKN.scale_GKN, group_sizes_G, beta=beta,
+            linear_beta=linear_beta)
     if all(packed) and impl in mxfp4_vjp.IMPLS:   # kernel dequant + bf16 WGMMA, or blocked
         return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
                                           linear_beta, impl)

@@ -5,37 +5,35 @@ Same products and schedule as mosaic_sm90.py, on the shared persistent loop
   * ``grouped_matmul_mxfp4``:   y_MN = x_MK @ W[group(row)]
   * ``grouped_situ_glu_mxfp4``: h_MN = situ_glu(x @ W_gate[g], x @ W_up[g])
 with W an ``Mxfp4Weights`` (packed_GNK uint8 [G, N, K/2]: the checkpoint's
-[out, in] orientation, as the loader places it; scale_GKN uint8 [G, K/32, N]).
+[out, in] orientation in the word layout, pallas_kernels.mxfp4_words, as
+the loader places it; scale_GKN uint8 [G, K/32, N]).
 
 Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
 x tile [64, 128] bf16 (K-permuted, below) and, per weight, the packed codes
 [block_n, 64] uint8 (64 contiguous bytes of each weight row) and the scales
 [4, block_n] uint8: the packed bytes are all the weight traffic. The
-consumer warpgroup loads the codes 64 rows at a time as one [64, 64] array
-in the WGMMA register layout, in which register column g holds code bytes
-8g..8g+7 of scale block g // 2 (so which scale a register takes is static,
-and a thread's four blocks x two rows of scale bytes are loaded once per
-chunk), dequantizes them into a bf16 [block_n, 128] SMEM tile of its own,
-fences it (commit_smem) and issues the bf16 WGMMA from SMEM with that tile
-read transposed (WGMMA's MN-major B). One consumer warpgroup, 64-row x
-tiles (see PLAIN / FUSED).
-
-K order. Byte j of a row holds K elements 2j (low nibble) and 2j+1 (high).
-The dequant writes a 128-element K chunk's low nibbles (its even elements) to
-columns 0..63 of the bf16 tile and the high nibbles (odd) to columns
-64..127, with no in-register interleave. x streams in the same order: the
-launcher permutes each 128-element K chunk of x to its even elements, then
-its odd ones (k_order, one XLA transpose of x: M x K bf16, small beside the
-weights at decode), and the WGMMA reads the pipeline's x tile as it lands.
+consumer warpgroup dequantizes them 64 rows at a time into a bf16
+[block_n, 128] SMEM tile of its own, fences it (commit_smem) and issues the
+bf16 WGMMA from SMEM with that tile read transposed (WGMMA's MN-major B).
+One consumer warpgroup, 64-row x tiles (see PLAIN / FUSED).
 
 Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
 over the scale bytes, 1/16 of the packed bytes):
-  * fast (``..._mxfp4_m64``): fast_dequant_tile, pallas_kernels.mxfp4_fast's
-    bit sequence per packed register (inline PTX, mxfp4_dequant.fast_chunk;
-    the jnp emulation of the same ops in interpret mode), 64-row chunks
-    unrolled. Exact when every scale byte is in FAST_SCALES (2..128).
+  * fast (``..._mxfp4_m64``): fast_dequant_tile, mxfp4_dequant.fast_chunk
+    per 64 rows (pallas_kernels.mxfp4_fast's sequence on each word: inline
+    PTX; its jnp emulation in interpret mode), whose fragment the tile
+    stores. x streams in mxfp4_dequant.k_order. Exact when every scale byte
+    is in FAST_SCALES (2..128).
   * exact (``..._mxfp4_exact_m64``): dequant_tile below, for weights with any
-    scale byte outside FAST_SCALES (0, 1, 129..254, 255).
+    scale byte outside FAST_SCALES (0, 1, 129..254, 255). It decodes the
+    checkpoint's bytes (byte j of a row: K elements 2j, low nibble, and
+    2j+1), which the launcher restores from the word layout with one XLA
+    pass over the codes (deinterleave_words; only on this rare path), and
+    writes a 128-element K chunk's low nibbles (its even elements) to
+    columns 0..63 of the tile and the high nibbles to 64..127: x streams in
+    that order (exact_k_order). Either permutation of x is one XLA
+    transpose (M x K bf16, small beside the weights at decode), and the
+    WGMMA reads the pipeline's x tile as it lands.
 Keeping the exact path out of the fast kernel's K loop matters: a per-step
 branch to it makes ptxas serialize the WGMMAs (C7519) and spill the fused tile.
 
@@ -75,6 +73,7 @@ from pallas_kernels.grouped_matmul import mxfp4_dequant, tiling
 from pallas_kernels.grouped_matmul.schedule import schedule, x_rows
 from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Weights
 from pallas_kernels.mxfp4_fast import FAST_SCALES
+from pallas_kernels.mxfp4_words import deinterleave_words
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = 128          # K elements per pipeline step: 64 code bytes a row, 4 scale rows
@@ -113,8 +112,8 @@ def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
     """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [block_n, 64]
     (weight rows n by code bytes) and scales uint8 [4, block_n] (SMEM) -> bf16
     [block_n, 128] in w_smem: row n's low nibbles (even K elements) in
-    columns 0..63, its high nibbles (odd) in 64..127 (k_order puts x's K in
-    the same order).
+    columns 0..63, its high nibbles (odd) in 64..127 (exact_k_order puts x's
+    K in the same order). ``packed_smem`` holds the checkpoint's bytes.
 
     [64, 32] pieces (64 rows, the 32 code bytes of two scale blocks) in the
     WGMMA register layout, unrolled: each of the two blocks' scale bits is
@@ -144,21 +143,20 @@ def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: 
     rows = mxfp4_dequant.ROWS
     for r in range(block_n // rows):
         row_chunk = pl.ds(r * rows, rows)
-        packed = plgpu.load(packed_smem.at[row_chunk, :], layout=plgpu.Layout.WGMMA)
-        w_smem[row_chunk, :] = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, row_chunk],
-                                                        interpret)
+        w_smem[row_chunk, :] = mxfp4_dequant.fast_chunk(packed_smem.at[row_chunk, :],
+                                                        scale_smem.at[:, row_chunk], interpret)
 
 
-def k_order(x_MK: jax.Array) -> jax.Array:
-    """x [M, K] (K a multiple of BLOCK_K) -> the kernel's K order: in each
-    128-element chunk the even elements, then the odd ones (the order the
-    dequantized weight tile's rows have)."""
+def exact_k_order(x_MK: jax.Array) -> jax.Array:
+    """x [M, K] (K a multiple of BLOCK_K) -> the exact kernel's K order: in
+    each 128-element chunk the even elements, then the odd ones (the order
+    dequant_tile's rows have)."""
     m, k = x_MK.shape
     return x_MK.reshape(m, k // BLOCK_K, BLOCK_K // 2, 2).swapaxes(2, 3).reshape(m, k)
 
 
 def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
-    """Per K step: ``planes`` bf16 x tiles [block_m, BLOCK_K] (k_order)
+    """Per K step: ``planes`` bf16 x tiles [block_m, BLOCK_K] (K-permuted)
     and, per weight, packed [block_n, BLOCK_K / 2] + scale [BLOCK_K / 32,
     block_n] uint8 tiles."""
     def in_specs(_first_k_step):
@@ -355,13 +353,20 @@ def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.
 
 
 def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int, n_pad: int,
-                    planes: int) -> tuple[list[jax.Array], list[jax.Array]]:
-    """(x planes [rows, k_pad] in k_order, (packed, scale) per weight padded by
-    pad_weight): the operands both MXFP4 kernels stream (planes 2: float32 x
-    as hi + lo bf16)."""
+                    planes: int, fast: bool) -> tuple[list[jax.Array], list[jax.Array]]:
+    """(x planes [rows, k_pad], (packed, scale) per weight padded by
+    pad_weight): the operands the MXFP4 kernels stream (planes 2: float32 x
+    as hi + lo bf16). The fast kernels (``fast``) take the codes in the word
+    layout they are held in and x in mxfp4_dequant.k_order; the exact kernel
+    takes the checkpoint's codes (one XLA pass, deinterleave_words, on this
+    rare path) and x in exact_k_order."""
     x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, rows), 1, k_pad)
-    x_planes = [k_order(p) for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
-    return x_planes, [a for w in weights for a in pad_weight(w, k_pad, n_pad)]
+    order = mxfp4_dequant.k_order if fast else exact_k_order
+    x_planes = [order(p) for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
+    w_refs = [a for w in weights for a in pad_weight(w, k_pad, n_pad)]
+    if not fast:
+        w_refs[0::2] = [deinterleave_words(p) for p in w_refs[0::2]]
+    return x_planes, w_refs
 
 
 def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
@@ -373,7 +378,7 @@ def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
     x_planes, w_refs = kernel_operands(x_MK, weights, rows=launch.m_pad, k_pad=launch.k_pad,
-                                       n_pad=launch.n_pad, planes=launch.planes)
+                                       n_pad=launch.n_pad, planes=launch.planes, fast=fast)
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,

@@ -11,13 +11,13 @@ codes are read from HBM once per launch at decode; a larger group reads them
 once per block_t rows (block_t_for picks this kernel or the row-major one).
 
 Per K step (BLOCK_K = 128 K elements) the producer warpgroup TMA-streams the
-x tile [block_t, 128] bf16 (mosaic_sm90_mxfp4.k_order, swizzled for WGMMA's
+x tile [block_t, 128] bf16 (mxfp4_dequant.k_order, swizzled for WGMMA's
 B) and, per weight, the packed codes [block_w, 64] uint8 and the scales
 [4, block_w] uint8. Consumer warpgroup c owns weight rows [64c, 64c + 64) of
-the tile: it loads their codes in the WGMMA register layout, dequantizes
-them with the fast sequence (mxfp4_dequant.fast_chunk) into a bf16 [64, 128]
-register fragment, and issues the WGMMA with that fragment as A (no SMEM
-tile, no fence) and the x tile read transposed as B. The fragment's
+the tile: it dequantizes their codes (the word layout, each thread 16 bytes
+a row in one load) with the fast sequence (mxfp4_dequant.fast_chunk) into a
+bf16 [64, 128] register fragment, and issues the WGMMA with that fragment as
+A (no SMEM tile, no fence) and the x tile read transposed as B. The fragment's
 registers stay live until the step's WGMMAs complete (wgmma_wait(0)).
 GPU interpret mode runs the fast sequence's jnp emulation and, as its WGMMA
 takes A from SMEM only, stores the fragment to a scratch SMEM tile first:
@@ -216,8 +216,8 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, plan: Mxfp4SwapAB
             x_planes, w_refs, accs = skeleton.step_operands(rest, planes, 2)
             xt_smems = [x.transpose((1, 0)) for x in x_planes]   # [K, T]
             for acc, (packed_smem, scale_smem) in zip(accs, w_refs):
-                packed = plgpu.load(packed_smem.at[w_rows, :], layout=plgpu.Layout.WGMMA)
-                w_a = mxfp4_dequant.fast_chunk(packed, scale_smem.at[:, w_rows], interpret)
+                w_a = mxfp4_dequant.fast_chunk(packed_smem.at[w_rows, :],
+                                               scale_smem.at[:, w_rows], interpret)
                 if interpret:   # the interpreter's WGMMA reads A from SMEM only
                     a_smem = t.scratch["a_smem"].at[wg]
                     a_smem[...] = w_a
@@ -264,7 +264,8 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     plan = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     block_t = plan.cfg.block_t
     x_planes, w_refs = row_major_mxfp4.kernel_operands(
-        x_MK, weights, rows=plan.x_rows, k_pad=plan.k_pad, n_pad=plan.n_pad, planes=plan.planes)
+        x_MK, weights, rows=plan.x_rows, k_pad=plan.k_pad, n_pad=plan.n_pad, planes=plan.planes,
+        fast=True)
     meta_4W = schedule(group_sizes_G, m, block_t)
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=plan.planes, plan=plan,
                       out_dtype=out_dtype, interpret=bool(interpret))

@@ -1,31 +1,35 @@
-"""The MXFP4 Mosaic kernel's fast dequantization (pallas_kernels.mxfp4_fast's
-sequence) in its WGMMA register layout, on the GPU (inline PTX through
+"""The MXFP4 Mosaic kernels' fast dequantization (pallas_kernels.mxfp4_fast's
+sequence) into a WGMMA register fragment, on the GPU (inline PTX through
 plgpu.inline_mgpu) and in interpret mode (the jnp emulation of the same ops).
 
-    a = fast_chunk(packed_RC, scale_smem, interpret)
+    a = fast_chunk(codes_smem, scale_smem, interpret)
 
-Layout. ``packed_RC`` is uint8 [64, 64]: 64 rows of a K step's packed tile
-(weight columns n, the stored [out, in] orientation) by its 64 code bytes
-(128 K elements), in plgpu.Layout.WGMMA. Warp w of the consumer warpgroup
-holds rows 16w..16w+15, each thread two rows (r, r + 8) x 8 registers of two
-adjacent bytes (c, c+1) = one ``q``, c = 8g + 2 (lane % 4) in register
-column g. Byte c lies in scale block c // 16, so register column g takes
-block g // 2: which scale a register needs is static. The thread loads its
-two rows' four scale bytes (``scale_smem`` uint8 [4, 64]: block x row) and
-builds each bf16x2 scale once. lo / hi: bf16 [64, 64] in the same layout,
-the low nibbles (even K of each byte) and the high ones (odd K). Exact for
-scale bytes in mxfp4_fast.FAST_SCALES only: the launcher runs the exact
-kernel when any byte is outside (mosaic_sm90_mxfp4.needs_exact).
+Operands (SMEM refs). ``codes_smem`` is uint8 [64, 64]: 64 weight rows of a K
+step's codes (weight columns n, the stored [out, in] orientation) by their 64
+bytes (128 K elements) in the word layout (pallas_kernels.mxfp4_words: each
+4 bytes one interleaved word of 8 codes). ``scale_smem`` is uint8 [4, 64]:
+the UE8M0 bytes, scale block x row.
 
-Result. ``a`` is bf16 [64, 128] in plgpu.Layout.WGMMA: lo in columns 0..63
-and hi in 64..127 (register columns 0..7 and 8..15, so putting the halves
-side by side moves no data). That is the K order of mosaic_sm90_mxfp4.k_order,
-and a is both what the row-major kernel stores as its weight tile and the
-register A operand of the swap-AB kernel's WGMMA.
+Per thread. In plgpu.Layout.WGMMA, warp w of the consumer warpgroup holds
+rows 16w..16w+15, each thread two rows (r, r + 8) and, in register column
+g (0..15), the two adjacent columns 8g + 2l, 8g + 2l + 1 (l = lane % 4).
+The thread loads bytes 16l .. 16l + 15 of each of its rows (one 16-byte
+load, 4 words, K elements 32l .. 32l + 31: scale block l alone), builds that
+block's bf16x2 scale once per row, and runs the sequence on each word b:
+its output j (K elements 32l + 8b + 2j, +1) is register column 4b + j.
+
+Result. ``a`` is bf16 [64, 128] in plgpu.Layout.WGMMA whose column
+c = 32b + 8j + 2l + L holds K element 32l + 8b + 2j + L of the step
+(``k_order`` puts x in the same order). It is both what the row-major kernel
+stores as its weight tile and the register A operand of the swap-AB
+kernel's WGMMA. Exact for scale bytes in mxfp4_fast.FAST_SCALES only: the
+launcher runs the exact kernel when any byte is outside
+(mosaic_sm90_mxfp4.needs_exact).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -40,13 +44,24 @@ from pallas_kernels import mxfp4_fast as fast
 WARPGROUP_THREADS = 128
 ROWS = 64                  # weight rows a chunk holds (one WGMMA row tile)
 BYTES = 64                 # code bytes a row of a K step holds (BLOCK_K / 2)
-_BLOCK_BYTES = 16          # code bytes per scale block
-_NUM_BLOCKS = BYTES // _BLOCK_BYTES
-_REGISTERS = (1, BYTES // 8, 1, 1, 2, 1, 1, 1, 1)   # WGMMA registers of [64, 64]: (g, row half)
+K_STEP = 2 * BYTES         # K elements of a step
+_THREAD_BYTES = 16         # code bytes of a row a thread loads (one scale block)
+_WORDS = _THREAD_BYTES // 4
+_OUTPUTS = len(fast.OUTPUTS["SEQUENCE"])   # bf16x2 registers a word becomes
+_REGISTERS = (1, K_STEP // 8, 1, 1, 2, 1, 1, 1, 1)   # WGMMA registers of bf16 [64, 128]
 
-_PAIR_ASM = fast.ptx(fast.SEQUENCE, fast.INPUTS["SEQUENCE"], fast.OUTPUTS["SEQUENCE"])
+_WORD_ASM = fast.ptx(fast.SEQUENCE, fast.INPUTS["SEQUENCE"], fast.OUTPUTS["SEQUENCE"])
 _SCALE_ASM = fast.ptx(fast.SCALE_SEQUENCE, fast.INPUTS["SCALE_SEQUENCE"],
                       fast.OUTPUTS["SCALE_SEQUENCE"])
+
+
+def k_order(x_MK: jax.Array) -> jax.Array:
+    """x [M, K] (K a multiple of 128) -> the fragment's K order: in each
+    128-element chunk, column 32b + 8j + 2l + L takes element 32l + 8b + 2j + L
+    (l, b, j < 4, L < 2; module docstring)."""
+    m, k = x_MK.shape
+    x = x_MK.reshape(m, k // K_STEP, 4, 4, 4, 2)       # (l, b, j, L) of each chunk
+    return x.transpose(0, 1, 3, 4, 2, 5).reshape(m, k)   # -> (b, j, l, L)
 
 
 def _i32(x: int):
@@ -55,13 +70,6 @@ def _i32(x: int):
 
 def _index(x):
     return arith.index_cast(ir.IndexType.get(), x)
-
-
-def _word(v) -> ir.Value:
-    """vector<N x i8> (N <= 4) -> i32, byte 0 in bits 0..7."""
-    n = ir.VectorType(v.type).shape[0]
-    as_int = mgpu_utils.bitcast(v, ir.IntegerType.get_signless(8 * n))
-    return arith.extui(ir.IntegerType.get_signless(32), as_int) if n < 4 else as_int
 
 
 def _asm(asm: str, n_out: int, *args):
@@ -75,64 +83,59 @@ def _asm(asm: str, n_out: int, *args):
 
 
 def _fast_chunk_mgpu():
-    wgmma = plgpu.Layout.WGMMA
-    out_t = plgpu.ShapeDtypeStruct((ROWS, 2 * BYTES), jnp.bfloat16, layout=wgmma)
+    out_t = plgpu.ShapeDtypeStruct((ROWS, K_STEP), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType()), return_type=out_t)
-    def chunk(_ctx, packed, scale_ref):
-        i8 = ir.IntegerType.get_signless(8)
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=out_t)
+    def chunk(_ctx, codes_ref, scale_ref):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, _i32(32))
         warp = arith.remui(arith.divui(tid, _i32(32)), _i32(WARPGROUP_THREADS // 32))
-        row0 = arith.addi(arith.muli(warp, _i32(16)),
-                          arith.divui(arith.remui(tid, _i32(32)), _i32(4)))   # 16w + lane / 4
-        regs = packed.registers
-        if regs.shape != _REGISTERS:
-            raise ValueError(f"unexpected WGMMA registers {regs.shape} for [{ROWS}, {BYTES}] "
-                             f"(expected {_REGISTERS})")
-        scales = {}   # (block, row half) -> bf16x2 scale
-        for blk in range(_NUM_BLOCKS):
-            for half in range(2):
-                row = arith.addi(row0, _i32(8 * half))
-                sv = vector.load(ir.VectorType.get((1,), i8), scale_ref, [_index(_i32(blk)),
-                                                                          _index(row)])
-                scales[blk, half] = _asm(_SCALE_ASM, 1, _word(sv))[0]
-        lo, hi = np.empty_like(regs), np.empty_like(regs)
-        for idx in np.ndindex(regs.shape):   # idx[1]: register column g, idx[4]: row half
-            s = scales[idx[1] * 8 // _BLOCK_BYTES, idx[4]]
-            lo_w, hi_w = _asm(_PAIR_ASM, 2, _word(regs[idx]), s)
-            lo[idx] = mgpu_utils.bitcast(lo_w, bf16x2)
-            hi[idx] = mgpu_utils.bitcast(hi_w, bf16x2)
-        # register column g holds columns 8g..8g+7: hi's columns follow lo's
-        return mgpu.FragmentedArray(_registers=np.concatenate([lo, hi], axis=1),
-                                    _layout=packed.layout, _is_signed=None)
+        quad = arith.remui(lane, _i32(4))                        # l: the thread's scale block
+        row0 = arith.addi(arith.muli(warp, _i32(16)), arith.divui(lane, _i32(4)))
+        col0 = _index(arith.muli(quad, _i32(_THREAD_BYTES)))
+        regs = np.empty(_REGISTERS, dtype=object)
+        for half in range(2):
+            row = _index(arith.addi(row0, _i32(8 * half)))
+            sv = vector.load(ir.VectorType.get((1,), i8), scale_ref, [_index(quad), row])
+            sv = arith.extui(i32, vector.extract(sv, [], [0]))
+            s = _asm(_SCALE_ASM, 1, sv)[0]
+            data = vector.load(ir.VectorType.get((_THREAD_BYTES,), i8), codes_ref, [row, col0])
+            words = mgpu_utils.bitcast(data, ir.VectorType.get((_WORDS,), i32))
+            for b in range(_WORDS):
+                q = vector.extract(words, [], [b])
+                for j, o in enumerate(_asm(_WORD_ASM, _OUTPUTS, q, s)):
+                    regs[0, _OUTPUTS * b + j, 0, 0, half, 0, 0, 0, 0] = \
+                        mgpu_utils.bitcast(o, bf16x2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None)
 
     return chunk
 
 
-def _fast_chunk_emulated(packed_RC, scale_smem):
-    p = packed_RC.astype(jnp.uint32)
-    sv = jnp.repeat(scale_smem[...].T, _BLOCK_BYTES // 2, axis=1).astype(jnp.uint32)  # [64, 32]
-    lo, hi = fast.dequant_words(p[:, 0::2] | (p[:, 1::2] << 8), sv)
+def _fast_chunk_emulated(codes_smem, scale_smem):
+    b = codes_smem[...].astype(jnp.uint32).reshape(ROWS, BYTES // 4, 4)
+    q = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)   # [64, 16]
+    sv = jnp.repeat(scale_smem[...].T, _WORDS, axis=1).astype(jnp.uint32)    # word 4l + b
+    outs = jnp.stack(fast.dequant_words(q, sv), axis=-1)                       # [64, 16, 4]
+    lanes = jnp.stack([outs & 0xFFFF, outs >> 16], axis=-1)                    # [64, 16, 4, 2]
+    lanes = lanes.reshape(ROWS, 4, _WORDS, _OUTPUTS, 2).transpose(0, 2, 3, 1, 4)  # (b, j, l, L)
+    return lax.bitcast_convert_type(lanes.reshape(ROWS, K_STEP).astype(jnp.uint16),
+                                    jnp.bfloat16)
 
-    def unpair(w):   # [64, 32] bf16x2 words -> bf16 [64, 64]
-        lanes = jnp.stack([w & 0xFFFF, w >> 16], axis=-1).reshape(ROWS, BYTES)
-        return lax.bitcast_convert_type(lanes.astype(jnp.uint16), jnp.bfloat16)
 
-    return jnp.concatenate([unpair(lo), unpair(hi)], axis=1)
-
-
-def fast_chunk(packed_RC, scale_smem, interpret: bool):
-    """uint8 [64, 64] codes (WGMMA layout) of 64 weight rows of a K step and
-    their uint8 [4, 64] scales (an SMEM ref: block x row) -> bf16 [64, 128]
-    (WGMMA layout): column c < 64 is K element 2c of the row, column 64 + c
-    element 2c + 1.
+def fast_chunk(codes_smem, scale_smem, interpret: bool):
+    """uint8 [64, 64] codes (word layout) of 64 weight rows of a K step and
+    their uint8 [4, 64] scales (SMEM refs; scale block x row) -> bf16
+    [64, 128] (WGMMA layout, ``k_order``'s columns).
     Exact for scale bytes in mxfp4_fast.FAST_SCALES (the caller checks)."""
-    if packed_RC.shape != (ROWS, BYTES):
-        raise ValueError(f"fast_chunk takes codes [{ROWS}, {BYTES}], got {packed_RC.shape}")
+    if tuple(codes_smem.shape) != (ROWS, BYTES) or tuple(scale_smem.shape) != (4, ROWS):
+        raise ValueError(f"fast_chunk takes codes [{ROWS}, {BYTES}] and scales [4, {ROWS}], "
+                         f"got {tuple(codes_smem.shape)} and {tuple(scale_smem.shape)}")
     if interpret:
-        return _fast_chunk_emulated(packed_RC, scale_smem)
-    return _fast_chunk_mgpu()(packed_RC, scale_smem)
+        return _fast_chunk_emulated(codes_smem, scale_smem)
+    return _fast_chunk_mgpu()(codes_smem, scale_smem)
 
 
-__all__ = ["BYTES", "ROWS", "fast_chunk"]
+__all__ = ["BYTES", "K_STEP", "ROWS", "fast_chunk", "k_order"]

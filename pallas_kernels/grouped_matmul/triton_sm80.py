@@ -370,7 +370,8 @@ def grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, *, beta: float,
 def grouped_matmul_mxfp4(x_MK, w_packed_GNH, w_scale_GSN, group_sizes_G, *,
                          config: TritonTiles | None = None):
     """y_MN = x_MK @ decode(w)[group(row)]; w as MXFP4 packed uint8 [G, N, K/2]
-    (H = K/2, packed along K: Mxfp4Weights.packed_GNK) and UE8M0 scales uint8
+    (H = K/2, packed along K in the checkpoint's byte layout:
+    Mxfp4Weights.checkpoint_codes()) and UE8M0 scales uint8
     [G, K/32, N] (S = K/32), dequantized in the kernel. x bf16 or float32;
     tail rows are 0."""
     (m, k), (g, _, n) = x_MK.shape, w_scale_GSN.shape

@@ -104,12 +104,12 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
         k = api.triton_kernels()
         b = dict(beta=config.beta, linear_beta=config.linear_beta)
         if config.w_dtype == MXFP4 and config.op == "grouped_matmul":
-            return lambda x, ws, gs: k.grouped_matmul_mxfp4(x, ws[0].packed_GNK, ws[0].scale_GKN,
-                                                            gs, config=t)
+            return lambda x, ws, gs: k.grouped_matmul_mxfp4(
+                x, ws[0].checkpoint_codes(), ws[0].scale_GKN, gs, config=t)
         if config.w_dtype == MXFP4:
             return lambda x, ws, gs: k.grouped_situ_glu_mxfp4(
-                x, ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK, ws[1].scale_GKN, gs,
-                config=t, **b)
+                x, ws[0].checkpoint_codes(), ws[0].scale_GKN, ws[1].checkpoint_codes(),
+                ws[1].scale_GKN, gs, config=t, **b)
         if config.op == "grouped_matmul":
             return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
         return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)

@@ -76,11 +76,13 @@ def grouped_inputs(seed: int, m: int, k: int, n: int, g: int, dtype, num_weights
 
 
 def mxfp4_from_kn(packed_GKN, scale_GKN):
-    """Mxfp4Weights from codes packed along axis 1 of [G, K/2, N] (the layout
-    the tests' numpy decoders read) and scales [G, K/32, N]: the codes are
-    moved to the container's [G, N, K/2]."""
+    """Mxfp4Weights from checkpoint codes packed along axis 1 of [G, K/2, N]
+    (the layout the tests' numpy decoders read) and scales [G, K/32, N]: the
+    codes are moved to the container's [G, N, K/2] and interleaved into its
+    word layout (Mxfp4Weights.from_checkpoint)."""
     from pallas_kernels.mxfp4 import Mxfp4Weights
-    return Mxfp4Weights(jnp.swapaxes(jnp.asarray(packed_GKN), 1, 2), jnp.asarray(scale_GKN))
+    return Mxfp4Weights.from_checkpoint(jnp.swapaxes(jnp.asarray(packed_GKN), 1, 2),
+                                        jnp.asarray(scale_GKN))
 
 
 def random_mxfp4(rng: np.random.Generator, g: int, k: int, n: int, lo: int = 120,

@@ -25,9 +25,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
-from pallas_kernels import grouped_matmul, grouped_situ_glu, interpret_compat, mxfp4_fast
+from pallas_kernels import (
+    grouped_matmul,
+    grouped_situ_glu,
+    interpret_compat,
+    mxfp4_fast,
+    mxfp4_words,
+)
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
+from pallas_kernels.grouped_matmul import mxfp4_dequant
 from pallas_kernels.mxfp4 import Mxfp4Weights, dequant
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -92,7 +99,8 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
     """mk.fast_dequant_tile (the emulation interpret mode runs) on every code
     byte under every scale byte of FAST_SCALES: slot i = block * n + col
     takes scale FAST_SCALES[i % 127] and the 16 bytes 16 * (i // 127 % 16)
-    + row, so each fast scale meets all 256 bytes; bits equal the codec's."""
+    + row, so each fast scale meets all 256 bytes; the codes go in in the
+    word layout, and the bits equal the codec's in mxfp4_dequant.k_order."""
     n = 512
     fast_scales = np.array(mxfp4_fast.FAST_SCALES)
     slot = np.arange(4)[:, None] * n + np.arange(n)[None, :]                   # [4, n]
@@ -101,10 +109,10 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
               + (np.arange(64) % 16)[:, None]).astype(np.uint8)              # [64, n]
     pairs = {(int(b), int(s)) for b, s in zip(packed.ravel(), np.repeat(scale, 16, axis=0).ravel())}
     assert len(pairs) == 256 * len(fast_scales)
-    got = np.asarray(jax.jit(_decode_kernel(n, "fast"))(np.ascontiguousarray(packed.T),
-                                                           scale)).view(np.uint16).T
-    want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), BF16, axis=0))
-    want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n).view(np.uint16)
+    words = mxfp4_words.interleave_words(np.ascontiguousarray(packed.T))       # [n, 64]
+    got = np.asarray(jax.jit(_decode_kernel(n, "fast"))(words, scale)).view(np.uint16)
+    want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), BF16, axis=0))  # [128, n]
+    want = np.asarray(mxfp4_dequant.k_order(jnp.asarray(want.T))).view(np.uint16)    # [n, 128]
     np.testing.assert_array_equal(got, want)
 
 
