@@ -366,7 +366,8 @@ def test_load_bench_text_has_both_peers(f32_ckpt, capsys):
     host = re.search(r"peer: the loader's host side alone .*?, ([0-9.]+) GB/s, ([0-9.]+) of the "
                      r"raw read", out)
     assert host and float(host.group(1)) > 0 and float(host.group(2)) > 0, out
-    assert re.search(r"peer: the on-device transposes alone, [0-9.]+ GB of", out), out
+    assert re.search(r"peer: the on-device ops alone \(transposes, MXFP4 code interleave\), "
+                     r"[0-9.]+ GB of", out), out
 
 
 def test_load_bench_usage(f32_ckpt, tmp_path, capsys):

@@ -33,12 +33,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("load-bench", help="the checkpoint loader's GB/s against a raw read",
                        description="Load one layer of a checkpoint onto the devices (the "
                                    "loader: headers, reads, checks, transfer, on-device "
-                                   "transposes) and read the same file bytes with a plain "
-                                   "readinto loop on one thread; both with the page cache warm "
-                                   "(each runs once untimed first). Prints both rates (GB = 1e9 "
+                                   "ops: transposes, MXFP4 code interleave) and read the same "
+                                   "file bytes with a plain readinto loop on one thread; both "
+                                   "with the page cache warm (each runs once untimed first). "
+                                   "Prints both rates (GB = 1e9 "
                                    "bytes) and loader / raw; without --json also two peers "
                                    "from the same run: the loader's host side alone (what a "
-                                   "GPU host's CPU does) and the on-device transposes alone.")
+                                   "GPU host's CPU does) and the on-device ops alone.")
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--layer", type=non_negative_int, default=None,
                    help="layer index (default 1, the first MoE layer)")
@@ -82,16 +83,16 @@ def _bench(args: argparse.Namespace) -> int:
     mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
 
     def load() -> float:
-        transposed.clear()                   # the previous load's parameters go first
+        on_device.clear()                    # the previous load's parameters go first
         t0 = time.perf_counter()
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
                                 mxfp4=args.mxfp4, workers=args.workers)
         jax.block_until_ready(jax.tree.leaves(nnx.state(module)))
         seconds = time.perf_counter() - t0
-        transposed[:] = _transposed_params(module, layer)
+        on_device[:] = _device_op_params(module)
         return seconds
-    transposed: list = []
+    on_device: list = []
 
     def read_host_side() -> float:
         t0 = time.perf_counter()
@@ -99,18 +100,18 @@ def _bench(args: argparse.Namespace) -> int:
                     workers=args.workers)
         return time.perf_counter() - t0
 
-    load()                                   # warms the page cache and compiles the transposes
+    load()                                   # warms the page cache and compiles the device ops
     regions = reader.take_regions()
     nbytes = sum(n for _, _, n in regions)
     raw_read(reader, regions)                # warm
     if not args.json:
-        _time_transposes(transposed)         # compiles the peer's transposes
-    loader_s, raw_s, transpose_s, host_s = [], [], [], []
+        _time_device_ops(on_device)          # compiles the peer's device ops
+    loader_s, raw_s, device_s, host_s = [], [], [], []
     for _ in range(args.repeat):
         loader_s.append(load())
         raw_s.append(raw_read(reader, regions))
         if not args.json:
-            transpose_s.append(_time_transposes(transposed))
+            device_s.append(_time_device_ops(on_device))
             host_s.append(read_host_side())
     loader = nbytes / statistics.median(loader_s) / 1e9
     raw = nbytes / statistics.median(raw_s) / 1e9
@@ -132,34 +133,40 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"peer: the loader's host side alone (reads, checks, staging; nothing placed), "
           f"{host:.3f} GB/s, {host / raw:.3f} of the raw read (median of {args.repeat}: "
           f"{statistics.median(host_s):.3f} s)")
-    moved = sum(a.nbytes for a in transposed)
+    moved = sum(a.nbytes for _, a in on_device)
     if moved:
-        print(f"peer: the on-device transposes alone, {moved / 1e9:.3f} GB of the layer's "
-              f"parameters, {moved / statistics.median(transpose_s) / 1e9:.3f} GB/s (median of "
-              f"{args.repeat}: {statistics.median(transpose_s):.3f} s)")
+        print(f"peer: the on-device ops alone (transposes, MXFP4 code interleave), "
+              f"{moved / 1e9:.3f} GB of the layer's parameters, "
+              f"{moved / statistics.median(device_s) / 1e9:.3f} GB/s (median of "
+              f"{args.repeat}: {statistics.median(device_s):.3f} s)")
     return 0
 
 
-def _transposed_params(module, layer: int) -> list:
-    """The module's parameters that the loader transposes on the device."""
+def _device_op_params(module) -> list:
+    """(device op, parameter) for each of the module's parameters the loader
+    changes on the device (checkpoint.source.device_op: a transpose, the
+    MXFP4 codes' interleave)."""
     from flax import nnx
 
     from k3jax.checkpoint.names import layer_tensors
+    from k3jax.checkpoint.source import device_op
 
     refs = layer_tensors(module.__class__.__name__ == "KimiMoE")
-    return [v.get_value() for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))
-            if refs[".".join(map(str, path))].transpose]
+    out = []
+    for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        op = device_op(refs[".".join(map(str, path))])
+        if op is not None:
+            out.append((op, v.get_value()))
+    return out
 
 
-def _time_transposes(arrays: list) -> float:
-    """Seconds to swap the last two axes of each array once on its devices
-    (the loader's on-device step, compiled by its warm-up)."""
+def _time_device_ops(ops: list) -> float:
+    """Seconds to run each (op, array)'s device op once on its devices (the
+    loader's on-device step, compiled by its warm-up)."""
     import jax
 
-    from k3jax.checkpoint.pipeline import swap_last_axes
-
     t0 = time.perf_counter()
-    jax.block_until_ready([swap_last_axes(a) for a in arrays])
+    jax.block_until_ready([op(a) for op, a in ops])
     return time.perf_counter() - t0
 
 

@@ -12,7 +12,8 @@ Routed experts are stored either dense (``ExpertStorage.DENSE``: the three
 arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
 of w1/w3/w2 a uint8 code array packed along its input axis, held in the
 checkpoint's [out, in] orientation (w1_packed_EFL / w3_packed_EFL [E, F, L/2],
-w2_packed_ELF [E, L, F/2]: the loader places the stored bytes unchanged), and
+w2_packed_ELF [E, L, F/2]: the stored bytes in Mxfp4Weights' word layout,
+which the loader interleaves on the device), and
 a UE8M0 scale array along the same input axis in the [in, out] orientation
 (w1_scale_ELF / w3_scale_ELF [E, L/32, F], w2_scale_EFL [E, F/32, L]); 0.53125 B
 per parameter in device memory; the grouped matmuls take them packed as

@@ -49,12 +49,13 @@ def test_the_configurations_are_k3s_at_ep8():
                                              (LOCAL_EXPERTS, k // 32, n)] * num_w
 
 
-# The fast kernels' K steps (pallas_kernels.mxfp4_fast's sequence, one scale
-# per row and block), counted in SASS by k3jax.kernel_sass: row-major 3.46
-# (down) and 3.96 (gate/up) per weight (with the SMEM round trip of the bf16
-# tile), swap-AB 3.36 / 3.07 at decode (A from registers); the exact kernel's
-# about 14. A change that makes a fast path dearer fails here.
-FAST_SASS_PER_WEIGHT_MAX = {"row_major": 4.5, "swap_ab": 3.6}
+# The fast kernels' K steps (pallas_kernels.mxfp4_fast's sequence on the word
+# layout, one scale a thread's row), counted in SASS by k3jax.kernel_sass:
+# swap-AB 2.25 / 1.88 (down / gate-up, 16 tokens), 2.27 / 2.10 (256), 2.22
+# (down, 4096) per weight (A from registers); row-major 2.71 (gate/up, 4096:
+# with the SMEM round trip of the bf16 tile); the exact kernel's about 14.
+# A change that makes a fast path dearer fails here.
+FAST_SASS_PER_WEIGHT_MAX = {"row_major": 2.8, "swap_ab": 2.5}
 # The weight elements one consumer warpgroup's K step multiplies, by weights
 # a launch: the row-major tile's [128, 128] bf16 B (64 wide when fused,
 # twice), the swap-AB warpgroup's [64, 128] A fragment per weight.
@@ -138,10 +139,11 @@ def _sequence_regex(sequence, key: str) -> re.Pattern:
 
 
 def test_kernel_ptx_holds_the_fast_sequence():
-    """One K step of a 128-column block: 2 chunks of 64 rows x 16 registers
-    run mxfp4_fast.SEQUENCE, 2 x (4 scale blocks x 2 rows) SCALE_SEQUENCE; no exact
-    dequant in the fast kernel (its float32 flush compare, setp.lt.f32, is absent)."""
+    """One K step of a 128-column block: 2 chunks of 64 rows, each thread 2
+    rows x 4 words, run mxfp4_fast.SEQUENCE (16 times), and 2 x 2 rows
+    SCALE_SEQUENCE (one scale block a thread's row); no exact dequant in the
+    fast kernel (its float32 flush compare, setp.lt.f32, is absent)."""
     ptx = _mxfp4_ptx(64, 256, 128, 2)
-    assert len(_sequence_regex(mxfp4_fast.SEQUENCE, "SEQUENCE").findall(ptx)) == 32
-    assert len(_sequence_regex(mxfp4_fast.SCALE_SEQUENCE, "SCALE_SEQUENCE").findall(ptx)) == 16
+    assert len(_sequence_regex(mxfp4_fast.SEQUENCE, "SEQUENCE").findall(ptx)) == 16
+    assert len(_sequence_regex(mxfp4_fast.SCALE_SEQUENCE, "SCALE_SEQUENCE").findall(ptx)) == 4
     assert "mul.rn.bf16x2" in ptx and "setp.lt.f32" not in ptx
