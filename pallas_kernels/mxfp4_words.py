@@ -44,14 +44,22 @@ def _xp(packed):
     return np if isinstance(packed, np.ndarray) else jnp
 
 
-def _permute_bits(packed, moves, name: str):
+def words_of(packed, name: str = "words_of"):
+    """uint8 [..., n] (n a multiple of 4) -> uint32 [..., n / 4], little-endian
+    (byte 0 in bits 0..7), as the GPU loads a word; ValueError naming ``name``
+    for anything else."""
     xp = _xp(packed)
     if packed.dtype != xp.uint8 or packed.ndim < 1 or packed.shape[-1] % WORD_BYTES:
         raise ValueError(f"{name} takes uint8 codes [..., n] with n a multiple of "
                          f"{WORD_BYTES}, got {packed.dtype} {tuple(packed.shape)}")
     b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // WORD_BYTES, WORD_BYTES)
     b = b.astype(xp.uint32)
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _permute_bits(packed, moves, name: str):
+    xp = _xp(packed)
+    word = words_of(packed, name)
     out = xp.zeros_like(word)
     for shift, mask in moves:
         part = word & xp.uint32(mask)
@@ -70,4 +78,4 @@ def deinterleave_words(words):
     return _permute_bits(words, _DEINTERLEAVE, "deinterleave_words")
 
 
-__all__ = ["WORD_BYTES", "deinterleave_words", "interleave_words"]
+__all__ = ["WORD_BYTES", "deinterleave_words", "interleave_words", "words_of"]

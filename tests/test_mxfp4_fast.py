@@ -15,12 +15,6 @@ from pallas_kernels import mxfp4, mxfp4_words
 from pallas_kernels import mxfp4_fast as fast
 
 
-def _words(packed_W4):
-    """uint8 [W, 4] -> uint32 [W], little-endian."""
-    b = packed_W4.astype(np.uint32)
-    return b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-
-
 def test_emulation_is_the_codec_on_every_fast_pair():
     """Every code in every one of the 8 positions of a word, under every fast
     scale byte: the 16 x 127 pairs, each position's code cycling against the
@@ -31,7 +25,7 @@ def test_emulation_is_the_codec_on_every_fast_pair():
     assert all(sorted(set(zip(codes[:, i], scale))) == sorted(set(zip(code, scale)))
                for i in range(8))
     natural = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)  # [n, 4] checkpoint bytes
-    q = _words(mxfp4_words.interleave_words(natural))
+    q = mxfp4_words.words_of(mxfp4_words.interleave_words(natural))[:, 0]   # [n]
     outs = [np.asarray(o) for o in fast.dequant_words(q, scale.astype(np.uint32))]
     got = np.stack([(o >> 16 * lane) & 0xFFFF for o in outs for lane in (0, 1)], axis=1)
     padded = np.zeros((len(q), 16), np.uint8)
@@ -55,7 +49,7 @@ def test_word_layout_is_a_permutation_of_each_words_bits():
     for p, src in enumerate(fast.WORD_SOURCE_BITS):   # one set bit moves where the table says
         natural = np.zeros((1, 4), np.uint8)
         natural[0, src // 8] = 1 << src % 8
-        assert _words(mxfp4_words.interleave_words(natural))[0] == 1 << p
+        assert mxfp4_words.words_of(mxfp4_words.interleave_words(natural))[0, 0] == 1 << p
     assert not mxfp4_words.interleave_words(np.zeros((2, 8), np.uint8)).any()
 
 

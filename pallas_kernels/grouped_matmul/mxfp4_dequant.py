@@ -40,6 +40,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import mxfp4_fast as fast
+from pallas_kernels.mxfp4_words import words_of
 
 WARPGROUP_THREADS = 128
 ROWS = 64                  # weight rows a chunk holds (one WGMMA row tile)
@@ -115,8 +116,7 @@ def _fast_chunk_mgpu():
 
 
 def _fast_chunk_emulated(codes_smem, scale_smem):
-    b = codes_smem[...].astype(jnp.uint32).reshape(ROWS, BYTES // 4, 4)
-    q = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)   # [64, 16]
+    q = words_of(codes_smem[...])                                              # [64, 16]
     sv = jnp.repeat(scale_smem[...].T, _WORDS, axis=1).astype(jnp.uint32)    # word 4l + b
     outs = jnp.stack(fast.dequant_words(q, sv), axis=-1)                       # [64, 16, 4]
     lanes = jnp.stack([outs & 0xFFFF, outs >> 16], axis=-1)                    # [64, 16, 4, 2]
