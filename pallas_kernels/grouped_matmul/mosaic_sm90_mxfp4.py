@@ -15,7 +15,7 @@ x tile [64, 128] bf16 (K-permuted, below) and, per weight, the packed codes
 consumer warpgroup dequantizes them 64 rows at a time into a bf16
 [block_n, 128] SMEM tile of its own, fences it (commit_smem) and issues the
 bf16 WGMMA from SMEM with that tile read transposed (WGMMA's MN-major B).
-One consumer warpgroup, 64-row x tiles (see PLAIN / FUSED).
+One consumer warpgroup, 64-row x tiles, 128-column weight tiles (DEFAULT).
 
 Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
 over the scale bytes, 1/16 of the packed bytes):
@@ -277,16 +277,13 @@ def smem_bytes(cfg: sm90.TileConfig, num_weights: int, planes: int, out_bytes: i
 
 # One consumer warpgroup (64-row tiles) for every M: each consumer dequantizes
 # the weight tile it multiplies, so a taller tile would dequantize it once per
-# 64 rows anyway. The fused product narrows N to 64 and stages its gate
-# products through SMEM (the SiTU on 32-column chunks), which ptxas compiles
-# without spills; stages are then as many as SMEM holds.
-PLAIN = sm90.TileConfig(num_compute_wgs=1, block_n=128, block_k=BLOCK_K, max_concurrent_steps=8)
-FUSED = sm90.TileConfig(num_compute_wgs=1, block_n=64, block_k=BLOCK_K, max_concurrent_steps=8)
-
-
-def default_config(num_weights: int) -> sm90.TileConfig:
-    """PLAIN for one weight, FUSED for the gate/up pair (before fitting SMEM)."""
-    return FUSED if num_weights == 2 else PLAIN
+# 64 rows anyway. N is 128 for both products: a K step's WGMMA descriptors and
+# pipeline bookkeeping are per HGMMA, not per weight, so a 128-wide tile
+# spreads them over twice the weights a 64-wide one does. The fused product
+# stages its gate products through SMEM (the SiTU on 32-column chunks) to
+# keep one 64 x 128 f32 accumulator live in its epilogue; stages are then as
+# many as SMEM holds.
+DEFAULT = sm90.TileConfig(num_compute_wgs=1, block_n=128, block_k=BLOCK_K, max_concurrent_steps=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,14 +309,14 @@ class Mxfp4Plan:
 def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dtype,
                 cfg: sm90.TileConfig | None = None) -> Mxfp4Plan:
     """Fit the tiles of an [m, k] x num_weights x MXFP4 [G, k, n] launch:
-    mosaic_sm90.default_config's tile shape with block_k = BLOCK_K, then
+    cfg (default DEFAULT) with block_k = BLOCK_K, then
     fewer stages (>= 2), then a narrower N block, until SMEM fits."""
     x_dtype = jnp.dtype(x_dtype)
     if x_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"the MXFP4 Mosaic kernel takes bfloat16 or float32 x, got {x_dtype}")
     planes = 2 if x_dtype == jnp.dtype(jnp.float32) else 1
     out_bytes = x_dtype.itemsize
-    cfg = cfg or default_config(num_weights)
+    cfg = cfg or DEFAULT
     if cfg.split_k != 1:
         raise ValueError(f"the MXFP4 kernel has no split-K, got split_k={cfg.split_k}")
     min_n = mxfp4_dequant.ROWS   # the codes' dequant runs on 64-row WGMMA chunks

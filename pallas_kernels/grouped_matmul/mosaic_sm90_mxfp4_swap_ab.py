@@ -122,7 +122,7 @@ def block_t_for(m: int, num_groups: int, num_weights: int) -> int | None:
     kernel is taken unless that count, at the mean rows of a group, is
     larger here (the fused tile's 48 tokens against 64 rows)."""
     limit = MAX_BLOCK_T[num_weights]
-    row_major_rows = row_major_mxfp4.default_config(num_weights).block_m
+    row_major_rows = row_major_mxfp4.DEFAULT.block_m
     mean = m / num_groups
     if math.ceil(mean / limit) > math.ceil(mean / row_major_rows):
         return None
