@@ -10,8 +10,9 @@ its tier in one line near its imports: ``pytestmark = pytest.mark.compile``
 for the whole file, or, where a file mixes tiers, by test function name:
 ``pytestmark = pytest.mark.tiers(compile=["test_a"], slow=["test_b"])``
 (every parametrization of a named function; a name that is not a test
-function of the file is a collection error). A mark that is not registered
-below is an error, not a warning.
+function of the file is a collection error); single parametrizations take
+theirs in the parametrize list (tests/tiers.py). A mark that is not
+registered below is an error, not a warning.
 """
 
 import os

@@ -25,7 +25,8 @@ from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import KernelConfig
 
 pytestmark = pytest.mark.tiers(slow=["test_the_layer_with_a_fallback_still_matches_its_xla_reference",
-                                     "test_tune_end_to_end_caches_and_exports_the_picks"])
+                                     "test_tune_end_to_end_caches_and_exports_the_picks",
+                                     "test_a_corrupt_cache_file_is_rechecked_and_rewritten"])
 
 ARGV = ["selfcheck", "--preset", "tiny", "--backend", "interpret", "--tp", "2", "--devices", "2",
         "--sequence-parallel", "--expert-parallel", "--tokens", "16", "--json"]

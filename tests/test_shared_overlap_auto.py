@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiers
 from k3jax import K3, TINY, ParallelConfig, SharedOverlap, make_layout, shared_overlap_choice
 from k3jax.cli import main
 from layout_cases import DENSE_LAYER, EXTRA_LAYOUTS, MOE_LAYER, add_layout, output
@@ -83,7 +84,7 @@ def test_an_unresolved_auto_has_no_collectives_to_list():
 
 
 @pytest.mark.parametrize("name", AUTO)
-@pytest.mark.parametrize("tokens", [16, 8192])
+@pytest.mark.parametrize("tokens", [16, tiers.slow(8192)])
 def test_auto_output_is_the_picked_forms_bit_for_bit(name, tokens):
     """TINY on 8 simulated devices, float32: the MoE layer under AUTO equals
     the layout naming the picked form exactly (the same program)."""

@@ -20,6 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
+import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, reference, vjp
 from pallas_kernels.mxfp4 import Mxfp4Weights
@@ -65,8 +66,7 @@ def _tol(dtype):
 _tgmm = jax.jit(lambda x, dy, s: blocked_tgmm.tgmm(x, dy, s))
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case, dtype", tiers.dtype_diagonal(CASES, [F32, BF16], _case_id))
 def test_tgmm_matches_float64_and_ragged_dot(case, dtype):
     x, dy, sizes = _inputs(case, dtype)
     out = _tgmm(x, dy, jnp.asarray(sizes))

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
+import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import blocked, reference
 from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
@@ -37,8 +38,7 @@ def _case_id(case):
     return "{}x{}x{}_g{}_{}".format(*case)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case, dtype", tiers.dtype_diagonal(CASES, [F32, BF16], _case_id))
 def test_blocked_matches_float64(case, dtype):
     m, k, n, g, pattern = case
     x, (wg, wu) = kc.grouped_inputs(m + g, m, k, n, g, dtype, 2)
@@ -113,7 +113,8 @@ def test_dequantize_expert_is_the_codec_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(weights.dequantize(F32)), _decode_gkn(packed, scale))
 
 
-@pytest.mark.parametrize("backend,dtype", [("xla", F32), ("xla", BF16), ("interpret", BF16)],
+@pytest.mark.parametrize("backend,dtype", [("xla", F32), ("xla", BF16),
+                                           tiers.slow("interpret", BF16)],
                          ids=["xla-f32", "xla-bf16", "interpret-bf16"])
 def test_mxfp4_weights_match_float64_of_the_decoded_codes(dtype, backend):
     m, k, n, g = 37, 64, 48, 5

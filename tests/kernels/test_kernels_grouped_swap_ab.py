@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
+import tiers  # noqa: E402
 from analysis import kernel_cost, tile_search, write_tile_table  # noqa: E402
 from pallas_kernels.grouped_matmul import api, schedule, tile_choice, tile_table  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
@@ -36,18 +37,18 @@ SwapABConfig = dec.SwapABConfig
 # phases and output SMEM reuse across tiles); split-K with two K-range lengths
 # (5 K steps into 2 ranges); M below one token tile; bf16x3 float32.
 CASES = [
-    (40, 320, 256, [7, 0, 13, 1, 0], BF16,
-     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
-                  num_ctas=2)),
+    tiers.slow((40, 320, 256, [7, 0, 13, 1, 0], BF16,
+                SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+                             num_ctas=2))),
     (40, 320, 256, [7, 0, 13, 1, 0], BF16,
      SwapABConfig(num_compute_wgs=1, wg_block_w=128, block_t=8, max_concurrent_steps=2,
                   split_k=2, num_ctas=3)),
     (5, 128, 128, [2, 0, 1], F32,
      SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=2)),
-    (24, 320, 128, [0, 9, 5, 3], F32,
-     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
-                  split_k=2, num_ctas=2)),
+    tiers.slow((24, 320, 128, [0, 9, 5, 3], F32,
+                SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+                             split_k=2, num_ctas=2))),
 ]
 
 
@@ -67,18 +68,18 @@ def test_decode_kernel_interpret_matches_float64(case):
 # 4 CTAs of which 2 get one tile and 2 none (the single-tile quiesce);
 # clusters of 2 (the chain's states shared by the cluster); bf16x3 float32.
 CHAINED = [
-    (40, 512, 256, [7, 0, 13, 1, 0], BF16,
-     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
-                  num_ctas=2)),
+    tiers.slow((40, 512, 256, [7, 0, 13, 1, 0], BF16,
+                SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+                             num_ctas=2))),
     (16, 512, 128, [16], BF16,
      SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=4,
                   num_ctas=4)),
-    (40, 512, 256, [7, 0, 13, 1, 0], BF16,
-     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
-                  num_ctas=4, cluster=2)),
-    (24, 512, 128, [0, 9, 5, 3], F32,
-     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
-                  num_ctas=3)),
+    tiers.slow((40, 512, 256, [7, 0, 13, 1, 0], BF16,
+                SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=4,
+                             num_ctas=4, cluster=2))),
+    tiers.slow((24, 512, 128, [0, 9, 5, 3], F32,
+                SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=4,
+                             num_ctas=3))),
 ]
 
 

@@ -26,8 +26,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
+import tiers  # noqa: E402
 from analysis import kernel_cost, tile_search  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec  # noqa: E402
+
+pytestmark = pytest.mark.tiers(slow=["test_launcher_dispatch_runs_a_cluster_tiling"])
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SwapABConfig = dec.SwapABConfig
@@ -40,12 +43,12 @@ SwapABConfig = dec.SwapABConfig
 # of 2 x 128 columns (the last one overhangs N: zero fill, no weight padding),
 # 3 CTAs = 1 cluster of 2 and an idle CTA.
 CASES = [
-    (40, 320, 512, [7, 0, 13, 1, 0], BF16,
-     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
-                  num_ctas=4, cluster=2)),
-    (40, 320, 256, [7, 0, 13, 1, 0], BF16,
-     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
-                  split_k=2, num_ctas=4, cluster=4)),
+    tiers.slow((40, 320, 512, [7, 0, 13, 1, 0], BF16,
+                SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=16, max_concurrent_steps=2,
+                             num_ctas=4, cluster=2))),
+    tiers.slow((40, 320, 256, [7, 0, 13, 1, 0], BF16,
+                SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+                             split_k=2, num_ctas=4, cluster=4))),
     (24, 128, 192, [0, 9, 5, 3], F32,
      SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=3, cluster=2)),

@@ -29,6 +29,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
+import tiers  # noqa: E402
 from analysis import kernel_cost, tile_search  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec  # noqa: E402
 
@@ -47,12 +48,12 @@ CASES = [
     (40, 192, 448, [7, 0, 13, 1, 0], BF16,
      SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=16, max_concurrent_steps=2,
                   num_ctas=4, cluster=4)),
-    (24, 128, 320, [0, 9, 5, 3], F32,
-     SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
-                  num_ctas=8, cluster=4)),
-    (30, 320, 200, [4, 0, 11, 6], BF16,
-     SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
-                  split_k=2, num_ctas=2, cluster=2)),
+    tiers.slow((24, 128, 320, [0, 9, 5, 3], F32,
+                SwapABConfig(num_compute_wgs=2, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+                             num_ctas=8, cluster=4))),
+    tiers.slow((30, 320, 200, [4, 0, 11, 6], BF16,
+                SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2,
+                             split_k=2, num_ctas=2, cluster=2))),
 ]
 
 

@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
+import tiers
 from pallas_kernels import (
     grouped_matmul,
     grouped_situ_glu,
@@ -36,6 +37,8 @@ from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 from pallas_kernels.grouped_matmul import mxfp4_dequant
 from pallas_kernels.mxfp4 import Mxfp4Weights, dequant
+
+pytestmark = pytest.mark.tiers(slow=["test_x_gradient_through_the_kernel_matches_float32"])
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -122,8 +125,8 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
 CASES = [(37, 96, 40, 5, "zeros_skewed"), (70, 256, 72, 4, "sum_lt_m"), (5, 32, 24, 3, "uniform")]
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}x{}x{}_g{}_{}".format(*c))
+@pytest.mark.parametrize("case, dtype", tiers.dtype_diagonal(
+    CASES, [BF16, F32], lambda c: "{}x{}x{}_g{}_{}".format(*c)))
 def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     m, k, n, g, pattern = case
     rng = np.random.default_rng(m + k)
@@ -144,7 +147,7 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, dg, du, sizes), sizes, tol, "fused")
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [BF16, tiers.slow(F32)], ids=["bf16", "f32"])
 def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
     """Every scale byte in FAST_SCALES: the row-major launch (called
     directly: the dispatch takes the swap-AB kernel at this size) runs the

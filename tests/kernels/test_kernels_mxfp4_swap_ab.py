@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
+import tiers
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 from pallas_kernels.grouped_matmul import mxfp4_vjp
@@ -48,8 +49,8 @@ FAST_CASES = [(70, 256, 200, 4, "sum_lt_m", None), (37, 96, 40, 5, "zeros_skewed
               (5, 128, 64, 3, "uniform", None)]
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: "{}x{}x{}_g{}_{}_t{}".format(*c))
+@pytest.mark.parametrize("case, dtype", tiers.dtype_diagonal(
+    FAST_CASES, [BF16, F32], lambda c: "{}x{}x{}_g{}_{}_t{}".format(*c)))
 def test_fast_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     """Every scale byte in FAST_SCALES (the smallest ones too): the swap-AB
     kernel runs, plain and fused, and matches the float64 products."""

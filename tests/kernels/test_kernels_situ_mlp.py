@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
+import tiers
 from pallas_kernels import resolve_backend, situ_mlp_up
 from pallas_kernels.grouped_matmul import mosaic_sm90 as grouped
 from pallas_kernels.situ_mlp import mosaic_sm90, reference
@@ -50,10 +51,10 @@ def test_situ_mlp_up_interpret_matches_reference(t, d, f, dtype):
 # K range stores only its items' rows. One consumer with 64-wide N, and the
 # two-consumer tile with 32-wide N (the tile table holds both at
 # K3 sizes), 200 rows: the second item is moved back to end at row 200.
-@pytest.mark.parametrize("wgs,block_n,t", [(1, 64, 72), (2, 32, 200)], ids=["1wg", "2wg"])
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
-def test_split_k_interpret_matches_reference(dtype, wgs, block_n, t):
-    d, f = 1024, 128
+@pytest.mark.parametrize("case, dtype", tiers.dtype_diagonal(
+    [(1, 64, 72), (2, 32, 200)], [BF16, F32], lambda c: f"{c[0]}wg"))
+def test_split_k_interpret_matches_reference(case, dtype):
+    (wgs, block_n, t), d, f = case, 1024, 128
     x, gate, up = _inputs(7, t, d, f, dtype)
     cfg = grouped.TileConfig(num_compute_wgs=wgs, block_n=block_n, max_concurrent_steps=2,
                              split_k=3)
