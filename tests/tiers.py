@@ -32,6 +32,7 @@ def dtype_diagonal(cases: Sequence, dtypes: Sequence, case_id: Callable) -> list
     for i, case in enumerate(cases):
         for j, dtype in enumerate(dtypes):
             name = f"{case_id(case)}-{names.get(jnp.dtype(dtype), jnp.dtype(dtype).name)}"
-            marks = () if j == i % len(dtypes) else pytest.mark.slow
-            params.append(pytest.param(case, dtype, id=name, marks=marks))
+            everyday = j == i % len(dtypes)
+            params.append(pytest.param(case, dtype, id=name) if everyday
+                          else slow(case, dtype, id=name))
     return params
