@@ -1,8 +1,9 @@
-"""Test session set-up: 8 simulated CPU devices before JAX's backend starts,
+"""Test session set-up: 16 simulated CPU devices before JAX's backend starts,
 and the test tiers (docs/testing.md).
 
-Tests that need 8 devices use the ``eight_devices`` fixture, which FAILS (never
-skips) when fewer devices exist.
+Tests that need 8 devices use the ``eight_devices`` fixture (the first 8),
+multi-node layouts the ``sixteen_devices`` fixture (two or four simulated
+nodes); each FAILS (never skips) when fewer devices exist.
 
 Tiers are markers; a test without one is in the everyday tier, which
 ``bin/test`` runs (``bin/test --all`` runs every tier). A test file states
@@ -30,7 +31,8 @@ os.environ.setdefault("K3JAX_SELFCHECK", "0")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+SIMULATED_DEVICES = 16
+jax.config.update("jax_num_cpu_devices", SIMULATED_DEVICES)
 
 import pytest  # noqa: E402
 
@@ -54,9 +56,14 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "tiers(**{tier: [test function names]}): puts the named test functions of "
                    f"this file in those tiers ({', '.join(TIERS)})")
+    config.addinivalue_line(
+        "markers", "alone: a rate measured against a peer in the same run; bin/test --all runs "
+                   "these after the rest, in one process, with no other test beside them")
     # --strict-markers for every invocation: a misspelt tier mark fails collection
     # instead of silently moving its test into the everyday tier.
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")
+    import schedule
+    config.pluginmanager.register(schedule.CostliestFirst(), "k3jax-costliest-first")
 
 
 def _tiers_by_name(module, mark) -> dict[str, list[str]]:
@@ -90,11 +97,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
 
 
+def _devices(n: int):
+    devices = jax.devices()
+    assert len(devices) >= n, f"these tests need {n} devices, found {len(devices)}: {devices}"
+    return devices[:n]
+
+
 @pytest.fixture
 def eight_devices():
-    devices = jax.devices()
-    assert len(devices) >= 8, f"these tests need 8 devices, found {len(devices)}: {devices}"
-    return devices[:8]
+    return _devices(8)
+
+
+@pytest.fixture
+def sixteen_devices():
+    return _devices(16)
 
 
 @pytest.fixture(scope="session", autouse=True)
