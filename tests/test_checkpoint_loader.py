@@ -35,6 +35,7 @@ from k3jax.config import TINY
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
 from numerics import jitted, rel_err
+from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.mxfp4_words import deinterleave_words, interleave_words
 
 CFG = TINY.replace(num_hidden_layers=3)
@@ -360,14 +361,33 @@ def test_load_bench_json(f32_ckpt, capsys):
     assert out["ratio"] == pytest.approx(out["loader_GBps"] / out["raw_GBps"])
 
 
-def test_load_bench_text_has_both_peers(f32_ckpt, capsys):
+def test_load_bench_text_has_its_peers(f32_ckpt, capsys):
+    """On CPU devices: the host side alone (with the ops, which run there),
+    the reads and checks alone (blocks as stored) and no device ops."""
     assert main(["load-bench", "--checkpoint", str(f32_ckpt), "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    host = re.search(r"peer: the loader's host side alone .*?, ([0-9.]+) GB/s, ([0-9.]+) of the "
-                     r"raw read", out)
-    assert host and float(host.group(1)) > 0 and float(host.group(2)) > 0, out
-    assert re.search(r"peer: the on-device ops alone \(transposes, MXFP4 code interleave\), "
-                     r"[0-9.]+ GB of", out), out
+    for peer in (r"the loader's host side alone \(reads, checks, the ops on the host; nothing "
+                 r"placed\)", r"the reads and checks alone \(blocks as stored, staging, no op"):
+        found = re.search(rf"peer: {peer}.*?, ([0-9.]+) GB/s, ([0-9.]+) of the raw read", out)
+        assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, (peer, out)
+    assert "peer: the on-device ops alone: none (on CPU devices the transposes" in out, out
+
+
+def test_load_bench_min_ratio_fails_below_it_naming_the_figures(f32_ckpt, capsys):
+    args = ["load-bench", "--checkpoint", str(f32_ckpt), "--repeat", "1", "--json"]
+    assert main([*args, "--min-ratio", "0"]) == 0
+    assert main([*args, "--min-ratio", "1e6"]) == 1      # no loader reads 1e6 x a raw read
+    out, err = capsys.readouterr()
+    ratio = json.loads(out.splitlines()[-1])["ratio"]
+    (line,) = err.strip().splitlines()
+    assert re.fullmatch(rf"k3jax load-bench: loader / raw read {ratio:.3f} is below --min-ratio "
+                        rf"1e\+06: loader [0-9.]+ GB/s, raw read [0-9.]+ GB/s \(medians of 1 "
+                        rf"interleaved runs each, layer 1 of {re.escape(str(f32_ckpt))}, "
+                        rf"[0-9]+ bytes\)", line), line
+    with pytest.raises(SystemExit) as exit_info:     # argparse's own usage error
+        main([*args, "--min-ratio", "-1"])
+    assert exit_info.value.code == 2
+    assert "--min-ratio: expected a finite number >= 0, got '-1'" in capsys.readouterr().err
 
 
 def test_load_bench_usage(f32_ckpt, tmp_path, capsys):
@@ -434,3 +454,57 @@ def test_run_with_a_bad_layer_writes_no_output(tmp_path, capsys):
                  "--output", str(out)]) == 1
     assert f"tensor {name} holds NaN or inf" in capsys.readouterr().err
     assert not out.exists()
+
+
+# -- the MXFP4 experts' dequant, read off the stored scale bytes ------------------------
+def _mxfp4_ckpt_with_byte(directory, expert: int, byte: int) -> None:
+    """The mxfp4_ckpt fixture's tensors (same seed) with scale byte ``byte`` at
+    [0, 0] of layer 1's expert ``expert``'s w2 (outside FAST_SCALES: 0, 1,
+    129..254)."""
+    from k3jax.checkpoint.writer import synthetic_tensors, write_checkpoint
+    tensors = dict(synthetic_tensors(CFG, 5, dtype="bfloat16", experts="mxfp4"))
+    scale = tensors[f"{MOE}experts.{expert}.w2.weight_scale"]
+    assert FAST_SCALES.start <= scale.min() and scale.max() < FAST_SCALES.stop  # the fixture's
+    scale[0, 0] = byte
+    write_checkpoint(directory, CFG, tensors.items())
+
+
+def test_mxfp4_dequant_is_read_off_the_stored_scale_bytes(eight_devices, mxfp4_ckpt, tmp_path):
+    """A checkpoint whose scale bytes are all in FAST_SCALES loads FAST; one
+    byte outside (in the last expert, on the last device under EP) makes the
+    layer EXACT; zero padding (dp 8 EP with pad_under_ep: scale byte 0 in the
+    padded blocks) is not stored, so it does not count."""
+    from pallas_kernels.mxfp4 import Mxfp4Dequant
+    ep = ParallelConfig(dp=8, expert_parallel=True)
+    fast = load_layer(mxfp4_ckpt, 1, ep, backend="xla")
+    assert fast.layout.mxfp4_dequant is Mxfp4Dequant.FAST
+    assert "MXFP4 experts' dequant: fast" in fast.layout.describe()
+    for byte in (1, 129):
+        ckpt = tmp_path / f"byte{byte}"
+        _mxfp4_ckpt_with_byte(ckpt, CFG.num_experts - 1, byte)
+        exact = load_layer(ckpt, 1, ep, backend="xla")
+        assert exact.layout.mxfp4_dequant is Mxfp4Dequant.EXACT, byte
+    padded_ep = ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True)
+    padded = load_layer(mxfp4_ckpt, 1, padded_ep, backend="xla")
+    assert padded.layout.padded_moe_intermediate > CFG.moe_intermediate_size
+    assert np.asarray(padded.w2_scale_EFL[...]).min() == 0          # the padding's bytes
+    assert padded.layout.mxfp4_dequant is Mxfp4Dequant.FAST
+    dense = load_layer(mxfp4_ckpt, 1, backend="xla", mxfp4="dequantize")
+    assert dense.layout.mxfp4_dequant is None
+
+
+def test_agreed_mxfp4_dequant_is_exact_where_any_process_saw_a_byte_outside():
+    """The per-process verdicts (each process reads only its blocks) combine
+    per layer: EXACT where any process's is; every process gets the same
+    list; one process's verdicts are its own; a process with another number
+    of verdicts is named."""
+    from k3jax.runtime.agreement import agree_mxfp4_dequant, combine_mxfp4_dequant
+    from pallas_kernels.mxfp4 import Mxfp4Dequant
+    F, X = Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT
+    assert combine_mxfp4_dequant([[F, F, X], [F, X, X]]) == [F, X, X]
+    assert combine_mxfp4_dequant([[F, F], [F, F], [F, F]]) == [F, F]
+    assert combine_mxfp4_dequant([[X], [F]]) == [X]
+    assert combine_mxfp4_dequant([[]]) == []
+    assert agree_mxfp4_dequant([F, X]) == [F, X]      # one process: its own
+    with pytest.raises(ValueError, match=r"the processes hold \[1, 2\] verdicts"):
+        combine_mxfp4_dequant([[F], [F, X]])

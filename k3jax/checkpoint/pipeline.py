@@ -12,16 +12,18 @@ placed block until its device work is done, and then releases its share of
 the read-ahead budget: the host blocks read and not yet released, with the
 staging buffers below, never hold more than two of the plan's largest blocks.
 
-A block that a device op changes is only a staging copy: the parameter is
-the op's result. Such blocks are read into ``Staging`` buffers that are
-reused from block to block (and layer to layer), so only the parameters
-themselves are written into fresh memory. Fresh memory costs a page fault
-per page on its first touch, which on a CPU device is CPU time taken from
-the reads and device ops. A block without a device op (1-D tensors) is, on
-a CPU device, read into fresh 64-byte aligned memory that becomes the
-parameter: the device aliases it (``jax.device_put`` copies nothing). An
-accelerator copies every block to its own memory, so there all blocks are
-staging copies (``devices_copy_blocks``).
+On an accelerator a block that a device op changes is only a staging copy:
+the parameter is the op's result. Such blocks are read into ``Staging``
+buffers that are reused from block to block (and layer to layer), so only
+the parameters themselves are written into fresh memory. An accelerator
+copies every block to its own memory, so there all blocks are staging
+copies (``devices_copy_blocks``). On CPU devices the ops run on the host
+instead, as each block is read (k3jax.checkpoint.slabs: slab by slab, in
+reused ``Staging.slabs`` buffers), and every block is read into fresh
+64-byte aligned memory that becomes the parameter: the device aliases it
+(``jax.device_put`` copies nothing). Fresh memory costs a page fault per
+page on its first touch (the kernel zeroes it), CPU time taken from the
+reads and ops on a CPU device.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from k3jax.checkpoint.host import aligned_empty
+from k3jax.checkpoint.host import BufferPool, aligned_empty
 from pallas_kernels.mxfp4_words import interleave_words
 
 BlockKey = tuple
@@ -93,20 +95,26 @@ DeviceOp = Callable[[jax.Array], jax.Array]
 
 
 class Staging:
-    """Free 64-byte aligned host buffers, kept for blocks that are copied to
-    the devices and then dropped (uint8, each ``nbytes`` long). A Prefetcher
-    takes and returns them and counts them against its budget; one Staging
-    may serve the prefetchers of several layers in turn. ``clear()`` frees them."""
+    """The reused host buffers of a load. ``free``: 64-byte aligned buffers
+    kept for blocks that are copied to the devices and then dropped (uint8,
+    each ``nbytes`` long), which a Prefetcher takes and returns and counts
+    against its budget. ``slabs``: the buffers the host ops read slabs into
+    on CPU devices (k3jax.checkpoint.slabs; one per worker thread, outside the
+    budget). One Staging may serve the prefetchers of several layers in
+    turn. ``clear()`` frees them all."""
 
     def __init__(self):
         self.free: list[np.ndarray] = []
+        self.slabs = BufferPool()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the free block buffers (the slab buffers not counted)."""
         return sum(b.nbytes for b in self.free)
 
     def clear(self) -> None:
         self.free.clear()
+        self.slabs.clear()
 
 
 class InFlight:

@@ -15,6 +15,7 @@ contiguous run of the region, no intermediate copy. Reads are thread-safe.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -175,7 +176,7 @@ class CheckpointReader:
         base = e.offset + (bounds[k][0] * strides[k] if e.shape else 0)
         run = math.prod(region[k:]) * itemsize
         return e.file, [(outer, base + sum((a + i) * s for (a, _), i, s in zip(bounds, outer, strides)),
-                         run) for outer in np.ndindex(*region[:k])]
+                         run) for outer in itertools.product(*map(range, region[:k]))]
 
     def read(self, name: str, index: Sequence[slice] | None = None,
              out: np.ndarray | None = None, workers: Workers | None = None) -> np.ndarray:

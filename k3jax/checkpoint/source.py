@@ -7,16 +7,19 @@ orientation ([out, in] per weight, experts stacked, zero padding written):
 each stored piece (one expert's slice, one tensor's slice) is read once,
 straight into its place, by a pool of worker threads (pieces of one block in
 parallel, a large piece split into chunks), and checked there (NaN / inf on
-the bits, MXFP4 scales). The block goes to its devices without a host copy,
+the bits, MXFP4 scales). On an accelerator the block goes to its devices
 and the parameter's device op (``device_op``) runs there: the transpose of a
 parameter held [in, out], the word interleave of packed MXFP4 expert codes
-(held [E, out, in/2]). A parameter held as stored (1-D tensors) is the block
+(held [E, out, in/2]). On CPU devices the same op runs on the host as the
+block is read (``host_op``, k3jax.checkpoint.slabs: slab by slab, each
+result written once into the block, which is then the parameter and which
+the devices alias). A parameter held as stored (1-D tensors) is the block
 itself: nothing but the transfer happens to it, and none on a CPU device,
 which aliases the block. With
 ``read_ahead`` a thread reads the blocks in the order they will be placed,
-into reused staging buffers those that are copied and dropped (transposed
-ones; on an accelerator, all; the pipeline module says how reading
-overlaps the device work). No process ever materialises a whole
+into reused staging buffers those that are copied and dropped (those a
+device op changes; on an accelerator, all; the pipeline module says how
+reading overlaps the device work). No process ever materialises a whole
 layer, nor even its whole share of one parameter.
 """
 
@@ -47,8 +50,15 @@ from k3jax.checkpoint.pipeline import (
     swap_last_axes,
 )
 from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
+from k3jax.checkpoint.slabs import INTERLEAVE, TRANSPOSE, HostOp, slabs
 from k3jax.modules.params import ParamDecl
-from pallas_kernels.mxfp4 import BLOCK_SIZE, SCALE_NAN, dequant_numpy, validate_scales
+from pallas_kernels.mxfp4 import (
+    BLOCK_SIZE,
+    SCALE_NAN,
+    Mxfp4Dequant,
+    dequant_numpy,
+    validate_scales,
+)
 
 
 def device_op(ref: TensorRef) -> DeviceOp | None:
@@ -60,18 +70,58 @@ def device_op(ref: TensorRef) -> DeviceOp | None:
     return interleave_codes if ref.packed else None
 
 
+def host_op(ref: TensorRef) -> HostOp | None:
+    """``device_op(ref)`` as the host runs it on CPU devices, slab by slab
+    as the block is read (k3jax.checkpoint.slabs); the same bytes result."""
+    if ref.transpose:
+        return TRANSPOSE
+    return INTERLEAVE if ref.packed else None
+
+
+def ops_on_host(mesh) -> bool:
+    """Whether the parameters' ops run on the host as blocks are read (CPU
+    devices, which alias a host block) rather than on the devices after it
+    is copied there (accelerators)."""
+    return not devices_copy_blocks(mesh)
+
+
+def _host_device(device: jax.Device) -> jax.Device:
+    """Where a host op for a block on ``device`` computes: ``device`` when it
+    is a CPU device, else this process's first CPU device."""
+    return device if device.platform == "cpu" else jax.local_devices(backend="cpu")[0]
+
+
+def _block_shape(index, shape) -> tuple[int, ...]:
+    """The extents of the block ``index`` (slices) of an array of ``shape``."""
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+def _slabs_of(index, decl: ParamDecl, ref: TensorRef, op: HostOp) -> list[tuple[tuple, tuple]]:
+    """[(the slab as slices of the block, the slab as an index of ``decl``)]
+    for block ``index`` of ``decl`` under ``ref``'s host op ``op``."""
+    shape = _block_shape(index, decl.shape)
+    starts = [s.indices(n)[0] for s, n in zip(index, decl.shape)]
+    return [(part, tuple(slice(a + p.indices(n)[0], a + p.indices(n)[1])
+                         for a, p, n in zip(starts, part, shape)))
+            for part in slabs(shape, np.dtype(decl.dtype).itemsize,
+                              -1 if ref.transpose else -2, op.slab_bytes)]
+
+
 class CheckpointSource:
     """A ParamSource for layer ``layer`` of the checkpoint behind ``reader``.
 
     ``on_block(nbytes)``, when given, is called after each device block is
     read. ``workers`` (default: a pool of one thread per core) read the
-    pieces of a block; ``staging`` (default: its own) holds the reused
-    buffers of the blocks read ahead that are transposed on the devices.
+    pieces of a block, or its slabs; ``staging`` (default: its own) holds
+    the reused buffers: those of the blocks read ahead that a device op
+    changes, and the slab buffers of the host ops. ``host_ops`` says where
+    the parameters' ops run: on the host as blocks are read (True), on the
+    devices (False), or as ``ops_on_host`` says for the mesh (None).
     Call ``close()`` after the last parameter."""
 
     def __init__(self, reader: CheckpointReader, layer: int,
                  on_block: Callable[[int], None] | None = None, workers: Workers | None = None,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, host_ops: bool | None = None):
         """Raises CheckpointError for a layer index out of range."""
         cfg = reader.config
         if not 0 <= layer < cfg.num_hidden_layers:
@@ -87,9 +137,11 @@ class CheckpointSource:
         self.workers = Workers() if workers is None else workers
         self._own_staging = staging is None
         self.staging = Staging() if staging is None else staging
+        self.host_ops = host_ops
         self._in_flight = InFlight()
         self._prefetch: Prefetcher | None = None
         self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
+        self._scale_dequant: list[Mxfp4Dequant] | None = None   # mxfp4_dequant's, per piece
 
     @property
     def experts_are_mxfp4(self) -> bool:
@@ -105,23 +157,58 @@ class CheckpointSource:
         for decl in decls:
             self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
 
+    def mxfp4_dequant(self, decls: Sequence[ParamDecl], mesh) -> Mxfp4Dequant | None:
+        """The in-kernel dequant the stored scale bytes of the packed MXFP4
+        experts among ``decls`` (checked) allow on this process: every block
+        of theirs this process's devices hold on ``mesh`` is read (on the
+        workers, checked as placing checks it) and dropped; FAST when each
+        stored byte is in mxfp4_fast.FAST_SCALES (zero padding is not
+        stored: it does not count), else EXACT; None when ``decls`` hold no
+        packed scales. The scales are 1/16 of the codes' bytes; placing
+        reads them again. Each process sees its own blocks only: the loader
+        agrees the verdict across processes (k3jax.runtime.agreement)."""
+        scale_decls = [d for d in decls if self.tensors[d.name].packed
+                       and self.tensors[d.name].transpose]
+        if not scale_decls:
+            return None
+        self._scale_dequant = []   # _fill adds each stored piece's verdict
+        try:
+            for decl in scale_decls:
+                ref = self.tensors[decl.name]
+                for index, _ in local_blocks(decl.shape, NamedSharding(mesh, decl.spec)):
+                    self._read_block(decl, ref, self._stored[decl.name], index)
+            return Mxfp4Dequant.combine(self._scale_dequant)
+        finally:
+            self._scale_dequant = None
+
     def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> list[BlockKey]:
         """Start reading the blocks of ``decls`` (checked, in the order they
         will be asked for, on ``mesh``) on a thread, so that reading overlaps
-        the transfer and transposes of the blocks before, within the
+        the transfer and device work of the blocks before, within the
         Prefetcher's byte budget, in staging buffers those that are copied
-        and dropped (those a device op changes; on an accelerator, all). Returns the
-        blocks' keys in that order."""
+        and dropped (those a device op changes; on an accelerator, all; a
+        block changed by its host op is the parameter). The host ops are
+        compiled here first, for every slab shape the blocks have, so that
+        no read waits for XLA. Returns the blocks' keys in that order."""
         copied = devices_copy_blocks(mesh)
-        plan = []
+        plan, compile_for = [], set()
         for decl in decls:
             ref = self.tensors[decl.name]
             sharding = NamedSharding(mesh, decl.spec)
-            for index, _ in local_blocks(decl.shape, sharding):
+            on_host = self._on_host(ref, mesh)
+            for index, devices in local_blocks(decl.shape, sharding):
                 plan.append(((decl.name, block_key(index, decl.shape)),
                              block_nbytes(index, decl.shape, decl.dtype),
-                             device_op(ref) is not None or copied,
-                             (decl, ref, self._stored[decl.name], index)))
+                             copied or (device_op(ref) is not None and not on_host),
+                             (decl, ref, self._stored[decl.name], index,
+                              _host_device(devices[0]) if on_host else None)))
+                if on_host:
+                    op = host_op(ref)
+                    compile_for |= {(op, _block_shape(sub, decl.shape), np.dtype(decl.dtype),
+                                     _host_device(devices[0]))
+                                    for _, sub in _slabs_of(index, decl, ref, op)}
+        for op, shape, dtype, device in compile_for:
+            op.compile(shape, dtype, device)
         self._prefetch = Prefetcher(self._read_counted, plan, self.staging)
         self._in_flight.on_drop = self._prefetch.release
         return [key for key, *_ in plan]
@@ -141,9 +228,14 @@ class CheckpointSource:
             self.close()
         return total
 
-    def _read_counted(self, decl, ref, stored, index, into: np.ndarray | None = None
-                      ) -> np.ndarray:
-        block = self._read_block(decl, ref, stored, index, into)
+    def _on_host(self, ref: TensorRef, mesh) -> bool:
+        """Whether ``ref``'s op (if any) runs on the host as its blocks are read."""
+        on_host = ops_on_host(mesh) if self.host_ops is None else self.host_ops
+        return on_host and host_op(ref) is not None
+
+    def _read_counted(self, decl, ref, stored, index, op_device: jax.Device | None = None,
+                      into: np.ndarray | None = None) -> np.ndarray:
+        block = self._read_block(decl, ref, stored, index, into, op_device)
         if self.on_block is not None:
             self.on_block(block.nbytes)
         return block
@@ -154,11 +246,16 @@ class CheckpointSource:
             self._stored[decl.name] = self._check(decl, ref)
         stored = self._stored[decl.name]
 
+        on_host = self._on_host(ref, sharding.mesh)
+        op_device = (_host_device(min(sharding.addressable_devices, key=lambda d: d.id))
+                     if on_host else None)
+
         def read(index):
             if self._prefetch is not None:
                 return self._prefetch.take((decl.name, block_key(index, decl.shape)))
-            return self._read_counted(decl, ref, stored, index)
-        return place_blocks(decl.shape, sharding, read, device_op=device_op(ref),
+            return self._read_counted(decl, ref, stored, index, op_device)
+        return place_blocks(decl.shape, sharding, read,
+                            device_op=None if on_host else device_op(ref),
                             in_flight=self._in_flight)
 
     def close(self) -> None:
@@ -216,11 +313,38 @@ class CheckpointSource:
 
     # -- reading one device block ------------------------------------------------
     def _read_block(self, decl: ParamDecl, ref: TensorRef, stored: dict, index,
-                    into: np.ndarray | None = None) -> np.ndarray:
+                    into: np.ndarray | None = None,
+                    op_device: jax.Device | None = None) -> np.ndarray:
+        """The block ``index`` of ``decl`` as one aligned host array: as
+        stored (``_read_stored``), or, with ``op_device``, the parameter's
+        block itself with ``ref``'s host op applied slab by slab by the
+        workers, in fresh memory (``into`` is not used then)."""
+        op = host_op(ref) if op_device is not None else None
+        if op is None:
+            return self._read_stored(decl, ref, stored, index, into, self.workers)
+        out = aligned_empty(_block_shape(index, decl.shape), decl.dtype)   # each slab writes its part
+        self.workers.run([functools.partial(self._slab, decl, ref, stored, sub, out[part], op,
+                                            op_device)
+                          for part, sub in _slabs_of(index, decl, ref, op)])
+        return out
+
+    def _slab(self, decl: ParamDecl, ref: TensorRef, stored: dict, index, dest: np.ndarray,
+              op: HostOp, device: jax.Device) -> None:
+        """Read the sub-block ``index`` of ``decl`` as stored into a slab
+        buffer (on this thread alone) and write ``op``'s result into ``dest``."""
+        buffer = self.staging.slabs.take(dest.nbytes)
+        try:
+            op.apply(self._read_stored(decl, ref, stored, index, buffer, None), dest, device)
+        finally:
+            self.staging.slabs.give(buffer)
+
+    def _read_stored(self, decl: ParamDecl, ref: TensorRef, stored: dict, index,
+                     into: np.ndarray | None, workers: Workers | None) -> np.ndarray:
         """The block ``index`` of ``decl``, with its last two axes swapped when
         ``ref.transpose`` (the stored [out, in] orientation), as one aligned
         host array (a view of the aligned uint8 buffer ``into`` when given,
-        else fresh); padding entries are zero."""
+        else fresh), read by ``workers`` (None: this thread); padding
+        entries are zero."""
         ranges = [range(*s.indices(n)) for s, n in zip(index, decl.shape)]
         nd = len(ranges)
 
@@ -253,11 +377,16 @@ class CheckpointSource:
         inner_keep = tuple(host(keep[inner]))
         index_of = [slice(r.start, r.stop) for r in host(src_ranges[inner])]
         if ref.per_expert:
-            self.workers.run([functools.partial(self._fill, ref.name(self.prefix, e), stored[e],
-                                                index_of, out[j], inner_keep, None)
-                              for j, e in enumerate(src_ranges[0])])
+            jobs = [functools.partial(self._fill, ref.name(self.prefix, e), stored[e],
+                                      index_of, out[j], inner_keep, None)
+                    for j, e in enumerate(src_ranges[0])]
+            if workers is None:
+                for job in jobs:
+                    job()
+            else:
+                workers.run(jobs)
         else:
-            self._fill(ref.name(self.prefix), stored[None], index_of, out, inner_keep, self.workers)
+            self._fill(ref.name(self.prefix), stored[None], index_of, out, inner_keep, workers)
         return out
 
     def _fill(self, name: str, is_mxfp4: bool, index: list[slice], dest: np.ndarray,
@@ -274,6 +403,8 @@ class CheckpointSource:
         block = self.reader.read(name, index, out=target if direct else None, workers=workers)
         if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
             self._validate_scales(name, block)
+            if self._scale_dequant is not None:   # inside mxfp4_dequant
+                self._scale_dequant.append(Mxfp4Dequant.of_scales(block))
         elif block.dtype != np.uint8:
             self._check_finite(name, block, index, workers)
         if not direct:

@@ -16,18 +16,29 @@ from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_te
 from k3jax.checkpoint.reader import INDEX_FILE
 from k3jax.config import K3Config
 from k3jax.files import usual_mode
-from pallas_kernels.mxfp4 import encode
+from pallas_kernels.mxfp4 import BLOCK_SIZE, encode
 
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormat = Literal["dense", "mxfp4"]
 
 
+FAST_SCALE_BYTES = range(118, 128)
+"""The MXFP4 scale bytes ``synthetic_tensors(..., fast=True)`` draws from:
+scales 2**-9 .. 2**0, all within the fast dequant's bytes
+(pallas_kernels.mxfp4_fast.FAST_SCALES)."""
+
+
 def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat16",
-                      experts: ExpertFormat = "dense") -> Iterator[tuple[str, np.ndarray]]:
+                      experts: ExpertFormat = "dense",
+                      fast: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor of every layer, in the stored [out, in]
     layout. Weights are normal / sqrt(fan_in), the norm 1 + 0.1 normal, the
     router bias 0.05 normal (float32). ``experts="mxfp4"`` stores routed
-    experts as weight_packed / weight_scale."""
+    experts as weight_packed / weight_scale. ``fast=True`` fills the same
+    tensors (names, shapes, dtypes) with random bits instead, many times
+    faster to make (for loader benchmarks, which move bytes): float weights
+    any finite value of magnitude below 2 (the exponent's top bit clear),
+    MXFP4 codes any byte, scale bytes from FAST_SCALE_BYTES."""
     rng = np.random.default_rng(seed)
     np_dtype = np.dtype(dtype)
     D, L, E, I, F = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
@@ -35,7 +46,20 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
     S = cfg.shared_intermediate_size
 
     def weight(out: int, inp: int) -> np.ndarray:
+        if fast:
+            bits = np_dtype.itemsize * 8
+            uint = np.dtype(f"uint{bits}")
+            raw = np.frombuffer(rng.bytes(out * inp * np_dtype.itemsize), uint)
+            return (raw & uint.type(~(1 << (bits - 2)) & ((1 << bits) - 1))).view(
+                np_dtype).reshape(out, inp)
         return (rng.standard_normal((out, inp), np.float32) / np.sqrt(inp)).astype(np_dtype)
+
+    def mxfp4(out: int, inp: int) -> tuple[np.ndarray, np.ndarray]:
+        if fast:
+            packed = np.frombuffer(rng.bytes(out * inp // 2), np.uint8).reshape(out, inp // 2)
+            return packed, rng.integers(FAST_SCALE_BYTES.start, FAST_SCALE_BYTES.stop,
+                                        (out, inp // BLOCK_SIZE), dtype=np.uint8)
+        return encode(rng.standard_normal((out, inp), np.float32) / np.sqrt(inp))
 
     for layer in range(cfg.num_hidden_layers):
         is_moe = cfg.is_moe_layer(layer)
@@ -59,8 +83,7 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
             for w, (out, inp) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
                 name = f"{prefix}experts.{e}.{w}.weight"
                 if experts == "mxfp4":
-                    packed, scales = encode(rng.standard_normal((out, inp), np.float32)
-                                                  / np.sqrt(inp))
+                    packed, scales = mxfp4(out, inp)
                     packed_name, scale_name = mxfp4_names(name)
                     yield packed_name, packed
                     yield scale_name, scales
@@ -140,9 +163,11 @@ def write_checkpoint(directory: str | os.PathLike, cfg: K3Config, tensors, *,
 
 def make_synthetic_checkpoint(directory: str | os.PathLike, cfg: K3Config, seed: int = 0, *,
                               dtype: WeightDtype = "bfloat16", experts: ExpertFormat = "dense",
-                              num_files: int = 1) -> None:
-    """A deterministic synthetic checkpoint of ``cfg`` in the docs/spec.md §3 layout."""
-    write_checkpoint(directory, cfg, synthetic_tensors(cfg, seed, dtype=dtype, experts=experts),
+                              num_files: int = 1, fast: bool = False) -> None:
+    """A deterministic synthetic checkpoint of ``cfg`` in the docs/spec.md §3
+    layout (``fast``: random bits, as ``synthetic_tensors`` says)."""
+    write_checkpoint(directory, cfg, synthetic_tensors(cfg, seed, dtype=dtype, experts=experts,
+                                                       fast=fast),
                      num_files=num_files)
 
 

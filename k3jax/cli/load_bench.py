@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 
@@ -16,6 +17,7 @@ from k3jax.cli.common import (
     add_device_flags,
     add_parallel_flags,
     layout_errors,
+    non_negative_float,
     non_negative_int,
     parallel_from_args,
     pick_devices,
@@ -32,14 +34,16 @@ RAW_BUFFER_BYTES = 64 << 20
 def add_parser(sub) -> None:
     p = sub.add_parser("load-bench", help="the checkpoint loader's GB/s against a raw read",
                        description="Load one layer of a checkpoint onto the devices (the "
-                                   "loader: headers, reads, checks, transfer, on-device "
-                                   "ops: transposes, MXFP4 code interleave) and read the same "
-                                   "file bytes with a plain readinto loop on one thread; both "
-                                   "with the page cache warm (each runs once untimed first). "
-                                   "Prints both rates (GB = 1e9 "
-                                   "bytes) and loader / raw; without --json also two peers "
-                                   "from the same run: the loader's host side alone (what a "
-                                   "GPU host's CPU does) and the on-device ops alone.")
+                                   "loader: headers, reads, checks, transfer, the parameters' "
+                                   "ops: transposes, MXFP4 code interleave; on CPU devices "
+                                   "those run on the host as blocks are read) and read the "
+                                   "same file bytes with a plain readinto loop on one thread; "
+                                   "both with the page cache warm (each runs once untimed "
+                                   "first). Prints both rates (GB = 1e9 bytes) and loader / "
+                                   "raw; without --json also peers from the same run: the "
+                                   "loader's host side alone, and on CPU devices the reads "
+                                   "and checks alone (blocks as stored: what a GPU host's CPU "
+                                   "does), on accelerators the on-device ops alone.")
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="checkpoint directory")
     p.add_argument("--layer", type=non_negative_int, default=None,
                    help="layer index (default 1, the first MoE layer)")
@@ -53,16 +57,19 @@ def add_parser(sub) -> None:
                    help="timed runs of each, interleaved; the medians are reported (default 3)")
     p.add_argument("--json", action="store_true",
                    help='print {"bytes", "loader_GBps", "raw_GBps", "ratio"}')
+    p.add_argument("--min-ratio", type=non_negative_float, default=None, metavar="R",
+                   help="exit 1, with one line on stderr naming the figures, when loader / raw "
+                        "(of the medians) is below R (a check: e.g. 0.30)")
     add_device_flags(p)
     add_parallel_flags(p)
     p.set_defaults(main=main)
 
 
 def main(args: argparse.Namespace, prog: str) -> int:
-    return report_errors(lambda: _bench(args), prog)
+    return report_errors(lambda: _bench(args, prog), prog)
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, prog: str) -> int:
     parallel = parallel_from_args(args, args.devices)
     request_devices(parallel.num_devices)
 
@@ -71,6 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from k3jax.checkpoint import load_layer, read_layers
     from k3jax.checkpoint.host import default_workers
+    from k3jax.checkpoint.source import ops_on_host
     from k3jax.layout import make_mesh
 
     require_devices(parallel.num_devices)
@@ -81,6 +89,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--layer {layer} is out of range: {args.checkpoint} has "
                          f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
     mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
+    on_host = ops_on_host(mesh)
 
     def load() -> float:
         on_device.clear()                    # the previous load's parameters go first
@@ -90,35 +99,39 @@ def _bench(args: argparse.Namespace) -> int:
                                 mxfp4=args.mxfp4, workers=args.workers)
         jax.block_until_ready(jax.tree.leaves(nnx.state(module)))
         seconds = time.perf_counter() - t0
-        on_device[:] = _device_op_params(module)
+        on_device[:] = [] if on_host else _device_op_params(module)
         return seconds
-    on_device: list = []
+    on_device: list = []   # (device op, parameter): what the devices do to the last load
 
-    def read_host_side() -> float:
+    def read_host_side(host_ops: bool | None = None) -> float:
         t0 = time.perf_counter()
         read_layers(reader, [layer], parallel, mesh, dtype=DTYPES[args.dtype], mxfp4=args.mxfp4,
-                    workers=args.workers)
+                    workers=args.workers, host_ops=host_ops)
         return time.perf_counter() - t0
 
-    load()                                   # warms the page cache and compiles the device ops
+    load()                                   # warms the page cache, compiles the ops
     regions = reader.take_regions()
     nbytes = sum(n for _, _, n in regions)
     raw_read(reader, regions)                # warm
     if not args.json:
         _time_device_ops(on_device)          # compiles the peer's device ops
-    loader_s, raw_s, device_s, host_s = [], [], [], []
+    loader_s, raw_s, device_s, host_s, stored_s, fresh_s = [], [], [], [], [], []
     for _ in range(args.repeat):
         loader_s.append(load())
         raw_s.append(raw_read(reader, regions))
         if not args.json:
-            device_s.append(_time_device_ops(on_device))
+            fresh_s.append(raw_read(reader, regions, fresh=True))
             host_s.append(read_host_side())
+            if on_host:
+                stored_s.append(read_host_side(host_ops=False))
+            else:
+                device_s.append(_time_device_ops(on_device))
     loader = nbytes / statistics.median(loader_s) / 1e9
     raw = nbytes / statistics.median(raw_s) / 1e9
     if args.json:
         print(json.dumps({"bytes": nbytes, "loader_GBps": loader, "raw_GBps": raw,
                           "ratio": loader / raw}))
-        return 0
+        return _check_ratio(args, prog, layer, nbytes, loader, raw)
     kind = "MoE" if cfg.is_moe_layer(layer) else "dense MLP"
     workers = args.workers or default_workers()
     print(f"layer {layer} ({kind}) of {args.checkpoint}: {nbytes} bytes ({nbytes / 1e9:.3f} GB) "
@@ -129,17 +142,42 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"raw read: {raw:8.3f} GB/s  (median of {args.repeat}: {statistics.median(raw_s):.3f} s; "
           f"one thread, readinto a reused buffer)")
     print(f"ratio:    {loader / raw:8.3f}")
+    fresh = nbytes / statistics.median(fresh_s) / 1e9
+    print(f"peer: the raw read into new memory (the same reads into one new buffer of "
+          f"{nbytes / 1e9:.3f} GB, as parameters are new memory), {fresh:.3f} GB/s, "
+          f"{fresh / raw:.3f} of the raw read (median of {args.repeat}: "
+          f"{statistics.median(fresh_s):.3f} s); the loader runs at {loader / fresh:.3f} of it")
     host = nbytes / statistics.median(host_s) / 1e9
-    print(f"peer: the loader's host side alone (reads, checks, staging; nothing placed), "
+    what = ("reads, checks, the ops on the host" if on_host else "reads, checks, staging")
+    print(f"peer: the loader's host side alone ({what}; nothing placed), "
           f"{host:.3f} GB/s, {host / raw:.3f} of the raw read (median of {args.repeat}: "
           f"{statistics.median(host_s):.3f} s)")
+    if on_host:
+        as_stored = nbytes / statistics.median(stored_s) / 1e9
+        print(f"peer: the reads and checks alone (blocks as stored, staging, no op: what a GPU "
+              f"host's CPU does), {as_stored:.3f} GB/s, {as_stored / raw:.3f} of the raw read "
+              f"(median of {args.repeat}: {statistics.median(stored_s):.3f} s)")
+        print("peer: the on-device ops alone: none (on CPU devices the transposes and the "
+              "MXFP4 code interleave run on the host as blocks are read, slab by slab)")
     moved = sum(a.nbytes for _, a in on_device)
     if moved:
         print(f"peer: the on-device ops alone (transposes, MXFP4 code interleave), "
               f"{moved / 1e9:.3f} GB of the layer's parameters, "
               f"{moved / statistics.median(device_s) / 1e9:.3f} GB/s (median of "
               f"{args.repeat}: {statistics.median(device_s):.3f} s)")
-    return 0
+    return _check_ratio(args, prog, layer, nbytes, loader, raw)
+
+
+def _check_ratio(args: argparse.Namespace, prog: str, layer: int, nbytes: int, loader: float,
+                 raw: float) -> int:
+    """0, or 1 with one line on stderr when loader / raw is below --min-ratio."""
+    if args.min_ratio is None or loader / raw >= args.min_ratio:
+        return 0
+    print(f"{prog}: loader / raw read {loader / raw:.3f} is below --min-ratio "
+          f"{args.min_ratio:g}: loader {loader:.3f} GB/s, raw read {raw:.3f} GB/s (medians of "
+          f"{args.repeat} interleaved runs each, layer {layer} of {args.checkpoint}, "
+          f"{nbytes} bytes)", file=sys.stderr)
+    return 1
 
 
 def _device_op_params(module) -> list:
@@ -193,14 +231,23 @@ def _recording_reader(directory: str):
     return RecordingReader(directory)
 
 
-def raw_read(reader, regions) -> float:
+def raw_read(reader, regions, fresh: bool = False) -> float:
     """Seconds to read the file bytes of ``regions`` ((name, index, bytes)
     as the loader read them) with plain readinto calls on one thread, into
-    one reused buffer."""
-    buffer = memoryview(bytearray(RAW_BUFFER_BYTES))
+    one reused buffer; with ``fresh``, one after the other into one new
+    64-byte aligned buffer as long as all of them, made in the timed span
+    (new memory, as a loader's parameters are: the kernel maps and zeroes
+    each page on its first touch)."""
+    from k3jax.checkpoint.host import aligned_empty
+
     files: dict[str, object] = {}
     try:
         t0 = time.perf_counter()
+        if fresh:
+            into = memoryview(aligned_empty((sum(n for _, _, n in regions),), "uint8"))
+        else:
+            into = memoryview(bytearray(RAW_BUFFER_BYTES))
+        at = 0
         for name, index, _ in regions:
             file, runs = reader.runs(name, index)
             if file not in files:
@@ -209,7 +256,11 @@ def raw_read(reader, regions) -> float:
             for _, offset, size in runs:
                 f.seek(offset)
                 while size > 0:
-                    got = f.readinto(buffer[:min(size, RAW_BUFFER_BYTES)])
+                    if fresh:
+                        got = f.readinto(into[at:at + size])
+                        at += got
+                    else:
+                        got = f.readinto(into[:min(size, RAW_BUFFER_BYTES)])
                     if not got:
                         raise OSError(f"{file}: short read at byte {f.tell()}")
                     size -= got
