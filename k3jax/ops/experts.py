@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from k3jax.ops.activation import SiTU
 from pallas_kernels.backend import Backend
-from pallas_kernels.grouped_matmul.api import grouped_matmul, grouped_situ_glu
+from pallas_kernels.grouped_matmul.api import grouped_situ_glu
+from pallas_kernels.grouped_matmul.combine import grouped_matmul_combine
 from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.vma import varying_like_inputs
 
@@ -48,14 +49,13 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     Returns the float32 partial sum [T, L] (partial over experts under EP and
     over F under TP; the caller reduces it).
 
-    The four stages (sort_pairs, experts_up, experts_down, combine_pairs) are
+    The three stages (sort_pairs, experts_up, experts_down_combined) are
     public so a caller can place other work between them.
     """
     _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL)
     pairs = sort_pairs(ids_TK, weights_TK, w1_ELF.shape[0], first_expert)
     h_PF = experts_up(lat_TL, pairs, w1_ELF, w3_ELF, act, backend)
-    y_PL = experts_down(h_PF, pairs, w2_EFL, backend)
-    return combine_pairs(y_PL, pairs, lat_TL.shape[0])
+    return experts_down_combined(h_PF, pairs, w2_EFL, lat_TL.shape[0], backend)
 
 
 def sort_pairs(ids_TK: jax.Array, weights_TK: jax.Array, num_local: int,
@@ -90,19 +90,18 @@ def experts_up(lat_TL: jax.Array, pairs: ExpertPairs, w1_ELF: ExpertWeight,
     return (jax.checkpoint(gate_up) if backend == "xla" else gate_up)(lat_TL, w1_ELF, w3_ELF)
 
 
-def experts_down(h_PF: jax.Array, pairs: ExpertPairs, w2_EFL: ExpertWeight,
-                 backend: Backend = "auto") -> jax.Array:
-    """The second grouped matmul: h_PF [P, F] -> y_PL [P, L]. The pairs not
-    held here sort past sum(group_sizes_E), where grouped_matmul returns zero
-    rows: that is their (only) masking."""
-    return grouped_matmul(h_PF, w2_EFL, pairs.group_sizes_E, backend=backend)
-
-
-def combine_pairs(y_PL: jax.Array, pairs: ExpertPairs, T: int) -> jax.Array:
-    """Weight each pair's output by its top-k weight and scatter-add it to its
-    token: y_PL [P, L] -> float32 [T, L]."""
-    contrib_PL = y_PL.astype(jnp.float32) * pairs.weights_P[pairs.order_P][:, None]
-    return jnp.zeros((T, y_PL.shape[1]), jnp.float32).at[pairs.token_P].add(contrib_PL)
+def experts_down_combined(h_PF: jax.Array, pairs: ExpertPairs, w2_EFL: ExpertWeight, T: int,
+                          backend: Backend = "auto", *, pinned=None):
+    """The down projection of every pair and the weighted scatter-add of its
+    row into its token, as one op (grouped_matmul_combine): h_PF [P, F] ->
+    float32 [T, L]. On "xla" its backward
+    gathers the latent's cotangent per row block, so no [P, L] cotangent of
+    y_PL is held beside h_PF and its gradient. ``pinned`` (arrays held
+    beside y_PL by an optimization barrier, then returned: (r_TL, pinned))
+    as grouped_matmul_combine's."""
+    return grouped_matmul_combine(h_PF, w2_EFL, pairs.group_sizes_E, pairs.token_P,
+                                  pairs.weights_P[pairs.order_P], T, backend=backend,
+                                  pinned=pinned)
 
 
 def _check_shapes(lat_TL, ids_TK, weights_TK, w1_ELF, w3_ELF, w2_EFL) -> None:

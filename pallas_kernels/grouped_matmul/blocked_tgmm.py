@@ -25,6 +25,10 @@ Groups without rows stay exact zeros; empty items skip the product
 in one such scan, and ``grouped_situ_glu_vjp`` the fused pair's whole backward on "xla" in one
 such scan (recompute, SiTU-GLU derivative, dx and both weight gradients per
 item), so no [M, 2N] cotangent of the pre-activations is ever materialized.
+``grouped_matmul_combine_vjp`` is combine.py's backward (a grouped matmul
+whose rows are weighted and scatter-added into tokens): dx, dw and the
+rows' weights' gradient in one scan that gathers the tokens' cotangent per
+block, so no [M, N] cotangent of the rows is ever materialized.
 """
 
 from __future__ import annotations
@@ -214,4 +218,79 @@ def grouped_situ_glu_vjp(x_MK: jax.Array, w_gate_GKN: jax.Array, w_up_GKN: jax.A
     return dx_MK, dwg_GKN, dwu_GKN
 
 
-__all__ = ["grouped_matmul_vjp", "grouped_situ_glu_vjp", "tgmm"]
+def grouped_matmul_combine_vjp(x_MK: jax.Array, w_GKN: jax.Array, dr_TN: jax.Array,
+                               token_M: jax.Array, weight_M: jax.Array,
+                               group_sizes_G: jax.Array):
+    """(dx_MK, dw_GKN, dweight_M) of r_TN = sum over rows m of weight_M[m] *
+    float32(y_MN[m]) into row token_M[m], y_MN = x_MK @ w[g] (combine.py), for
+    the float32 cotangent dr_TN [T, N], in one scan over the items. Per item,
+    with dr_B = dr_TN[token_M[rows]] gathered for the block's rows only (no
+    [M, N] cotangent of y is ever held):
+
+        u_BK      = dr_B @ w[g]^T         (dr_B in x's dtype, f32 accumulation)
+        dx_B      = weight_B * u_BK       (f32, one cast to x's dtype)
+        dweight_B = sum_k x_BK * u_BK     (= <y_B, dr_B> without y: f32)
+        dw[g]    += x_BK^T @ dy_BN,  dy_BN = weight_B * dr_B in x's dtype
+                                          (f32 accumulator, as ``tgmm``)
+
+    token_M int [M] in [0, T); weight_M floating [M] (dweight in its dtype).
+    Rows of other items and rows >= sum(group_sizes) are zeroed in x, dr and
+    weight first, so NaN there never leaks; dx and dweight there are exactly
+    0 (such rows of y are constant zeros). Float weights only."""
+    m, k = x_MK.shape
+    num_groups, _, n = w_GKN.shape
+    dtype, w_dtype, weight_dtype = x_MK.dtype, w_GKN.dtype, weight_M.dtype
+    operands = (x_MK, w_GKN, dr_TN, token_M, weight_M, group_sizes_G)
+    if m == 0 or k == 0 or n == 0:
+        return (filled(operands, (m, k), 0, dtype), filled(operands, (num_groups, k, n), 0, w_dtype),
+                filled(operands, (m,), 0, weight_dtype))
+    block_m = block_rows(m, num_groups)
+    items = items_3W(group_sizes_G.astype(jnp.int32), m, block_m).T
+    nt = (((1,), (1,)), ((), ()))
+    tn = (((0,), (0,)), ((), ()))
+
+    def step(carry, item):
+        dx_MK, dweight_M, dw_GKN, acc_KN, acc_group = carry
+        group, active = item[0], item[2] > item[1]
+        start, keep_B1 = item_block(item, m, block_m)
+
+        def compute():
+            x_BK = jnp.where(keep_B1, lax.dynamic_slice_in_dim(x_MK, start, block_m), 0)
+            token_B = lax.dynamic_slice_in_dim(token_M, start, block_m)
+            dr_BN = jnp.where(keep_B1, jnp.take(dr_TN, token_B, axis=0, mode="clip"), 0.0)
+            dr_BN = dr_BN.astype(jnp.float32)
+            weight_B1 = lax.dynamic_slice_in_dim(weight_M, start, block_m)[:, None]
+            weight_B1 = jnp.where(keep_B1, weight_B1.astype(jnp.float32), 0.0)
+            w_KN = lax.dynamic_index_in_dim(w_GKN, group, 0, keepdims=False)
+            u_BK = lax.dot_general(dr_BN.astype(dtype), w_KN, nt,
+                                   preferred_element_type=jnp.float32)
+            dweight_B = jnp.sum(x_BK.astype(jnp.float32) * u_BK, axis=1)
+            dy_BN = (weight_B1 * dr_BN).astype(dtype)
+            return ((weight_B1 * u_BK).astype(dtype), dweight_B.astype(weight_dtype),
+                    lax.dot_general(x_BK, dy_BN, tn, preferred_element_type=jnp.float32))
+
+        def skip():
+            return (filled(operands, (block_m, k), 0, dtype),
+                    filled(operands, (block_m,), 0, weight_dtype),
+                    filled(operands, (k, n), 0, jnp.float32))
+
+        dx_BK, dweight_B, p_KN = lax.cond(active, compute, skip)
+        old_BK = lax.dynamic_slice_in_dim(dx_MK, start, block_m)
+        dx_MK = lax.dynamic_update_slice_in_dim(dx_MK, jnp.where(keep_B1, dx_BK, old_BK), start, 0)
+        old_B = lax.dynamic_slice_in_dim(dweight_M, start, block_m)
+        dweight_M = lax.dynamic_update_slice_in_dim(
+            dweight_M, jnp.where(keep_B1[:, 0], dweight_B, old_B), start, 0)
+        acc_KN = jnp.where(group == acc_group, acc_KN, 0.0) + p_KN
+        dw_GKN = lax.dynamic_update_slice_in_dim(dw_GKN, acc_KN.astype(w_dtype)[None], group, 0)
+        return (dx_MK, dweight_M, dw_GKN, acc_KN, group + lax.full_like(acc_group, 0)), None
+
+    # dx's zero init leaves an optimization barrier with dr (see grouped_situ_glu_vjp)
+    zero, _ = lax.optimization_barrier((filled(operands, (), 0, dtype), dr_TN))
+    init = (jnp.broadcast_to(zero, (m, k)), filled(operands, (m,), 0, weight_dtype),
+            filled(operands, (num_groups, k, n), 0, w_dtype),
+            filled(operands, (k, n), 0, jnp.float32), filled(operands, (), -1, jnp.int32))
+    (dx_MK, dweight_M, dw_GKN, _, _), _ = lax.scan(step, init, items)
+    return dx_MK, dw_GKN, dweight_M
+
+
+__all__ = ["grouped_matmul_combine_vjp", "grouped_matmul_vjp", "grouped_situ_glu_vjp", "tgmm"]

@@ -23,7 +23,7 @@ import kernel_cases as kc
 import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, reference, vjp
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -185,8 +185,9 @@ def test_xla_grads_match_float64(case, dtype):
 
 
 def _random_mxfp4(rng, g, k, n):
-    return Mxfp4Weights(jnp.asarray(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)),
-                        jnp.asarray(rng.integers(120, 132, (g, k // 32, n), dtype=np.uint8)))
+    return Mxfp4Weights.from_checkpoint(
+        jnp.asarray(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)),
+        jnp.asarray(rng.integers(120, 132, (g, k // 32, n), dtype=np.uint8)))
 
 
 @pytest.mark.parametrize("backend", ["xla"])
@@ -239,7 +240,7 @@ def test_the_backward_allocates_no_dense_expansion():
     m, n = 256, 512
     x = jax.ShapeDtypeStruct((m, k), BF16)
     packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
-                          jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8))
+                          jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8), Mxfp4Dequant.FAST)
 
     def fused_x(x, w, s):
         return jax.grad(lambda a: jnp.sum(grouped_situ_glu(a, w, w, s, backend="xla", **SITU)

@@ -19,7 +19,7 @@ import kernel_cases as kc
 import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import blocked, reference
-from pallas_kernels.mxfp4 import Mxfp4Weights, dequant, dequant_numpy
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, dequant, dequant_numpy
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -138,16 +138,18 @@ def test_mxfp4_weights_are_validated():
     x = jnp.zeros((4, 64), F32)
     sizes = jnp.array([2, 2], jnp.int32)
     good_p, good_s = jnp.zeros((2, 8, 32), jnp.uint8), jnp.zeros((2, 2, 8), jnp.uint8)
+
+    def w(p, s):
+        return Mxfp4Weights(p, s, Mxfp4Dequant.EXACT)
     with pytest.raises(ValueError, match="w_GKN: MXFP4 packed_GNK and scale_GKN must be uint8"):
-        grouped_matmul(x, Mxfp4Weights(good_p.astype(jnp.int8), good_s), sizes, backend="xla")
+        grouped_matmul(x, w(good_p.astype(jnp.int8), good_s), sizes, backend="xla")
     with pytest.raises(ValueError, match=r"w_up_GKN: MXFP4 packed_GNK \(2, 8, 32\) needs"):
-        grouped_situ_glu(x, Mxfp4Weights(good_p, good_s), Mxfp4Weights(good_p, good_s[:, :1]),
+        grouped_situ_glu(x, w(good_p, good_s), w(good_p, good_s[:, :1]),
                          sizes, backend="xla", **SITU)
     with pytest.raises(ValueError, match="x_MK K=64 != w_GKN K=32"):
-        grouped_matmul(x, Mxfp4Weights(good_p[:, :, :16], good_s[:, :1]), sizes, backend="xla")
+        grouped_matmul(x, w(good_p[:, :, :16], good_s[:, :1]), sizes, backend="xla")
     with pytest.raises(ValueError, match=r"packed_GNK \(2, 32, 8\) needs"):   # [G, K/2, N]
-        grouped_matmul(x, Mxfp4Weights(jnp.zeros((2, 32, 8), jnp.uint8), good_s), sizes,
-                       backend="xla")
+        grouped_matmul(x, w(jnp.zeros((2, 32, 8), jnp.uint8), good_s), sizes, backend="xla")
 
 
 def test_no_dense_expansion():
@@ -162,7 +164,7 @@ def test_no_dense_expansion():
         *args).compile().memory_analysis().temp_size_in_bytes
     assert temp < dense_expansion / 16, (temp, dense_expansion)
     packed = Mxfp4Weights(jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8),
-                          jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8))
+                          jax.ShapeDtypeStruct((g, k // 32, n), jnp.uint8), Mxfp4Dequant.FAST)
     temp4 = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="xla")).lower(
         args[0], packed, args[2]).compile().memory_analysis().temp_size_in_bytes
     all_experts_bf16 = g * k * n * 2
