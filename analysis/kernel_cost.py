@@ -67,7 +67,7 @@ WG_ROWS = 64  # WGMMA M of one warpgroup
 # sequence, the scale pairs, the x split, the bf16 tile's SMEM stores), one
 # per CUDA-core lane and clock; a consumer warpgroup (128 lanes) dequantizes
 # while its own WGMMAs wait (an assumption, not measured). Weights with a
-# scale byte outside FAST_SCALES run the exact kernel (about 5x the count):
+# scale byte outside FAST_SCALES run the exact kernel (about 6x the count):
 # the model does not cover them.
 GOLDEN_KERNELS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "sm90a_kernels.json"
 # The row-major fast kernel the dispatch takes: the fused product past 48

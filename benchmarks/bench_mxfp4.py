@@ -33,7 +33,7 @@ import numpy as np
 
 from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import reference
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
 MXFP4_BYTES_PER_PARAM = 0.5 + 1 / 32
 DTYPE = jnp.bfloat16
@@ -41,11 +41,11 @@ DTYPE = jnp.bfloat16
 
 def random_mxfp4(key, g: int, k: int, n: int) -> Mxfp4Weights:
     """Random codes [g, n, k/2] and scale bytes 119..122 [g, k/32, n] (weights
-    of magnitude <= 6 * 2**-5)."""
+    of magnitude <= 6 * 2**-5; the bytes are in FAST_SCALES: dequant FAST)."""
     kp, ks = jax.random.split(key)
     packed = jax.random.randint(kp, (g, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     scale = jax.random.randint(ks, (g, k // 32, n), 119, 123, jnp.int32).astype(jnp.uint8)
-    return Mxfp4Weights(packed, scale)
+    return Mxfp4Weights(packed, scale, Mxfp4Dequant.FAST)
 
 
 def implementations(op: str, kernel_backend: str, situ: dict) -> dict[str, Callable]:

@@ -57,6 +57,7 @@ from benchmarks import cases  # noqa: E402
 from benchmarks import gpu_kernel_checks as checks  # noqa: E402
 from k3jax.aot import PtxasReport, h200_mesh, pin_wheel_ptxas, ptxas_dump  # noqa: E402
 from k3jax.layout import ParallelConfig  # noqa: E402
+from pallas_kernels.mxfp4 import Mxfp4Dequant  # noqa: E402
 
 LAYOUT_TOKENS = 8192
 
@@ -80,7 +81,7 @@ def kernel_configs() -> list[KernelConfig]:
             for c in cases.grouped_cases(plan) if c.op == "down"]
     out += [KernelConfig(c.name, c.fn("pallas"), c.arg_specs()) for c in cases.mlp_cases(plan)]
     out += tokamax_peer_configs(plan)
-    out += [KernelConfig(c.name, c.fn("pallas"), c.arg_specs())
+    out += [KernelConfig(c.name, mxfp4_both(c.op), c.arg_specs())
             for c in cases.grouped_cases(plan, mxfp4=True) if (c.ep, c.tokens) in MXFP4_ROWS and c.mxfp4]
     out += tgmm_configs(plan)
     seen = set()
@@ -91,6 +92,14 @@ def kernel_configs() -> list[KernelConfig]:
             seen.add(name)
             out.append(KernelConfig(name, c.fn("pallas"), c.arg_specs()))
     return out
+
+
+def mxfp4_both(op: str) -> Callable:
+    """The MXFP4 op through the grouped ops' dispatch on "pallas" for weights
+    declared FAST and EXACT, both in one program (the fast kernel and the
+    exact one of one configuration, compiled together)."""
+    fast, exact = (cases.mxfp4_fn(op, "pallas", d) for d in (Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT))
+    return lambda *args: (fast(*args), exact(*args))
 
 
 # The peer library's kernel (tokamax.ragged_dot, Mosaic GPU; pallas_kernels.peers)

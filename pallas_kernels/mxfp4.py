@@ -33,17 +33,22 @@ nearest E2M1 value, ties to the even code, saturating at +-6. Values that are
 exactly representable round-trip unchanged.
 
 ``Mxfp4Weights`` is a pytree (``jax.tree_util.register_dataclass``), so it
-passes through jit and shard_map like the arrays it holds.
+passes through jit and shard_map like the arrays it holds; its ``dequant``
+(``Mxfp4Dequant``: FAST or EXACT) is static aux data, decided on the host
+from the stored scale bytes (``Mxfp4Dequant.of_scales``) once, when the
+weights are made or loaded: no compiled program reduces over the scales.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.mxfp4_words import deinterleave_words, interleave_words
 
 BLOCK_SIZE = 32
@@ -199,6 +204,48 @@ def encode(x) -> tuple[np.ndarray, np.ndarray]:
 
 # -- grouped weights -----------------------------------------------------------
 
+class Mxfp4Dequant(enum.Enum):
+    """Which in-kernel dequantization a packed weight's scale bytes allow,
+    a static property of the stored bytes (``of_scales``).
+
+    FAST   every UE8M0 byte is in mxfp4_fast.FAST_SCALES (2..128): the fast
+           in-register sequence is exact for it (pallas_kernels.mxfp4_fast).
+    EXACT  any byte: the exact dequantization (the codec's decisions for
+           bytes 0, 1, 129..254 and 255), about 6x the fast one's
+           instructions. Correct for every weight, FAST ones included.
+
+    Only the Mosaic kernels tell them apart; the blocked XLA path and the
+    Triton kernels dequantize every byte exactly either way.
+    """
+
+    FAST = "fast"
+    EXACT = "exact"
+
+    @classmethod
+    def of_scales(cls, scales) -> Mxfp4Dequant:
+        """FAST when every byte of ``scales`` (uint8, host numpy or a
+        concrete jax array, any shape) is in FAST_SCALES, else EXACT.
+        ValueError for another dtype; an empty array is FAST."""
+        s = np.asarray(scales)
+        if s.dtype != np.uint8:
+            raise ValueError(f"MXFP4 scales must be uint8 (UE8M0), got {s.dtype}")
+        if s.size == 0:
+            return cls.FAST
+        fast = FAST_SCALES.start <= int(s.min()) and int(s.max()) < FAST_SCALES.stop
+        return cls.FAST if fast else cls.EXACT
+
+    @classmethod
+    def combine(cls, parts) -> Mxfp4Dequant:
+        """The dequant of a weight made of ``parts`` (an iterable of
+        Mxfp4Dequant: its slices, or each process's share): EXACT when
+        any part is, else FAST (also for no parts)."""
+        parts = list(parts)
+        bad = [p for p in parts if not isinstance(p, cls)]
+        if bad:
+            raise ValueError(f"Mxfp4Dequant.combine takes Mxfp4Dequant values, got {bad[0]!r}")
+        return cls.EXACT if cls.EXACT in parts else cls.FAST
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Weights:
@@ -215,20 +262,39 @@ class Mxfp4Weights:
       stored [N, K/32]: a kernel's K step needs 4 scale bytes per output row,
       fewer than the 16 contiguous bytes a TMA box takes, but block_n of them
       per K-block row.
+    * dequant (static, pytree aux data): Mxfp4Dequant.FAST only when every
+      scale byte is in FAST_SCALES, which the maker asserts (the loader and
+      ``from_checkpoint`` read it off the bytes; nothing checks it on the
+      device: a FAST weight with another byte gives inexact results there);
+      EXACT is right for any bytes. The Mosaic kernels pick their
+      dequantization from it at trace time.
+
+    Every kernel reads the word layout in place: no program holds a
+    reordered copy of the codes (``checkpoint_codes`` is one, for tests and
+    the host).
     """
 
     packed_GNK: jax.Array
     scale_GKN: jax.Array
+    dequant: Mxfp4Dequant = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dequant, Mxfp4Dequant):
+            raise ValueError(f"Mxfp4Weights: dequant must be an Mxfp4Dequant, got {self.dequant!r}")
 
     @classmethod
     def from_checkpoint(cls, packed_GNK, scale_GKN) -> Mxfp4Weights:
         """The weight of checkpoint codes uint8 [G, N, K/2] (two E2M1 codes a
-        byte along K, low nibble first) and scales uint8 [G, K/32, N]: the
-        codes interleaved into the word layout (numpy stays numpy)."""
-        return cls(interleave_words(packed_GNK), scale_GKN)
+        byte along K, low nibble first) and scales uint8 [G, K/32, N] (host
+        or concrete arrays): the codes interleaved into the word layout
+        (numpy stays numpy), the dequant read off the scale bytes
+        (``Mxfp4Dequant.of_scales``)."""
+        return cls(interleave_words(packed_GNK), scale_GKN, Mxfp4Dequant.of_scales(scale_GKN))
 
     def checkpoint_codes(self) -> jax.Array:
-        """The codes in the checkpoint's byte layout, uint8 [G, N, K/2]."""
+        """The codes in the checkpoint's byte layout, uint8 [G, N, K/2]: a
+        full copy of the codes (tests and host-side use; the kernels read
+        ``packed_GNK`` in place)."""
         return deinterleave_words(self.packed_GNK)
 
     @property
@@ -271,5 +337,5 @@ class Mxfp4Weights:
                                                                      self.scale_GKN)
 
 
-__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Weights",
+__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Dequant", "Mxfp4Weights",
            "check_shapes", "dequant", "dequant_numpy", "encode", "validate_scales"]

@@ -29,8 +29,10 @@ instructions per 8 weights (8 integer, 4 multiplies).
 
 Scale bytes outside FAST_SCALES (0 and 1: results below 2**-126 that the
 codec flushes to zero; 129..254: 2**(b - 1) is not a bf16; 255: NaN) are not
-handled here: a launch whose scales hold one runs the exact kernel
-(mosaic_sm90_mxfp4.dequant_nibbles) instead.
+handled here: weights that may hold one (Mxfp4Weights.dequant EXACT, read
+off the stored bytes when they are loaded) run the exact kernel instead,
+which reuses INTEGER_SEQUENCE's bit permutation and decodes exactly
+(mosaic_sm90_mxfp4.dequant_code_bits).
 
 ``emulate`` runs the same op list on uint32 jnp arrays. Its ``mul.bf16x2``
 is exact integer arithmetic for what the sequence feeds it (a positive power

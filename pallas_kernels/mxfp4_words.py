@@ -36,8 +36,20 @@ def _moves(source_bits: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(masks.items()))
 
 
+def _rotations(source_bits: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(left rotation, mask of destination bits) per distinct rotation:
+    destination bit p takes source bit source_bits[p], which the word rotated
+    left by (p - s) mod 32 holds at p, so dest = OR of (rotl(src, r) & mask)."""
+    masks: dict[int, int] = {}
+    for p, s in enumerate(source_bits):
+        r = (p - s) % 32
+        masks[r] = masks.get(r, 0) | (1 << p)
+    return tuple(sorted(masks.items()))
+
+
 _INTERLEAVE = _moves(WORD_SOURCE_BITS)
 _DEINTERLEAVE = _moves(tuple(np.argsort(WORD_SOURCE_BITS).tolist()))
+_INTERLEAVE_ROTATIONS = _rotations(WORD_SOURCE_BITS)
 
 
 def _xp(packed):
@@ -73,9 +85,33 @@ def interleave_words(packed):
     return _permute_bits(packed, _INTERLEAVE, "interleave_words")
 
 
+def interleave_word_bits(words):
+    """Checkpoint words uint32 [...] (``words_of``'s: little-endian, byte 0 in
+    bits 0..7) -> the word layout's words, same shape; ``interleave_words``
+    without the assembly from and split into bytes: bit p of a result is bit
+    WORD_SOURCE_BITS[p] of its word. One rotation and one mask per distinct
+    rotation distance (13 of them, where the shifts take 17 moves: a shift
+    left and one right by 32 less the same distance are one rotation); on an
+    AVX-512 host XLA:CPU makes 12 shifts or rotates and 12 ternary-logic ops
+    of a vector of words of them (the shift form: 17 and 16). On a
+    little-endian host a uint32 view of the codes' bytes is ``words_of`` them
+    and a uint8 view of the result is ``interleave_words`` of them (the
+    loader's host op on CPU devices, k3jax.checkpoint.slabs)."""
+    xp = _xp(words)
+    if words.dtype != xp.uint32:
+        raise ValueError(f"interleave_word_bits takes uint32 words, got {words.dtype}")
+    out = None
+    for r, mask in _INTERLEAVE_ROTATIONS:
+        rotated = words if r == 0 else (words << xp.uint32(r)) | (words >> xp.uint32(32 - r))
+        part = rotated & xp.uint32(mask)
+        out = part if out is None else out | part
+    return out
+
+
 def deinterleave_words(words):
     """The word layout uint8 [..., n] -> the checkpoint's codes (module docstring)."""
     return _permute_bits(words, _DEINTERLEAVE, "deinterleave_words")
 
 
-__all__ = ["WORD_BYTES", "deinterleave_words", "interleave_words", "words_of"]
+__all__ = ["WORD_BYTES", "deinterleave_words", "interleave_word_bits", "interleave_words",
+           "words_of"]

@@ -10,6 +10,12 @@ Checked here:
 
 - the compiler's argument bytes of the weights equal the planner's, exactly;
   the input and output shards are the layout's;
+- packed MXFP4 experts (sp_ep_tp8_shard, XLA and Pallas): no compiled
+  program holds a copy of their codes (no instruction but the parameters
+  has a packed array's shape), and the temporaries meet the targets: at
+  most MXFP4_DECODE_TEMP_MAX at 16 tokens, at most MXFP4_PREFILL_OVER_BF16
+  times the bf16 experts' at 8192 (two extra compiles each: 16 tokens, and
+  the bf16 peer at 8192);
 - the overlap contract (Layout.shared_overlaps_routed) against the compiled
   H200 schedule: where it is true and the shared expert issues collectives,
   each of them stays asynchronous, uncombined with the routed path's, with
@@ -27,16 +33,22 @@ process (module-level cache).
 from __future__ import annotations
 
 import functools
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
 
 from k3jax import K3, TINY, MlpMode, ParallelConfig, SharedOverlap, make_layout
-from k3jax.aot import OVERLAP_COMPILER_OPTIONS
+from k3jax.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
 from k3jax.compile import CompileReport, compile_layer
 from k3jax.hlo_schedule import in_scope
 from k3jax.kernel_ptxas import TOKAMAX_PEER
-from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
+from k3jax.layout import ExpertStorage
+from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE, moe_decls
 from layout_cases import LAYOUTS, MULTI_DEVICE, UNOVERLAPPED
+from pallas_kernels.mxfp4_words import deinterleave_words
 
 pytestmark = pytest.mark.compile
 
@@ -46,9 +58,10 @@ MOE, DENSE = 1, 0
 
 @functools.cache
 def report(cfg, parallel: ParallelConfig, layer: int, tokens: int, backend: str,
-           options: tuple = ()) -> CompileReport:
+           options: tuple = (), expert_dtype: str = "mxfp4") -> CompileReport:
     return compile_layer(cfg, parallel, layer, tokens=tokens, backend=backend,
-                         compiler_options=dict(options) if options else None)
+                         compiler_options=dict(options) if options else None,
+                         expert_dtype=expert_dtype)
 
 
 def _dense_placements() -> list[str]:
@@ -172,3 +185,97 @@ def test_a_tiny_model_fits():
     r = report(TINY, LAYOUTS["sp_ep_tp8_shard"], MOE, 64, "xla", ())
     assert r.fits_h200 is True and r.needed_bytes < r.device_memory_bytes
     assert r.per_device_bytes["weights"] == r.planner_weight_bytes
+
+
+# -- packed MXFP4 experts: no copy of the codes, temporaries within the targets --------
+MXFP4_LAYOUT = "sp_ep_tp8_shard"
+MXFP4_DECODE_TOKENS, MXFP4_PREFILL_TOKENS = 16, 8192
+MXFP4_DECODE_TEMP_MAX = 0.1 * 2 ** 30     # bytes a device, MXFP4 experts at 16 tokens
+MXFP4_PREFILL_OVER_BF16 = 1.1             # MXFP4 / bf16 experts' temporaries at 8192
+# Pallas at 8192 holds the down projection's x (h, [P, F] bf16) twice: the
+# MXFP4 kernels take x in mxfp4_dequant.k_order, one XLA transpose of h
+# beside h, which XLA's heap packing does not overlap with the matmuls'
+# other buffers (k3jax compile, SP+EP: 2.62 GiB against bf16's 1.95, 1.34x;
+# with the transpose dropped, 2.10 GiB, 1.07x). The fix is the gate/up
+# kernel writing h in that order; until then this target fails here.
+_K_ORDER_COPY = ("the MXFP4 kernels take the down projection's x in mxfp4_dequant.k_order: "
+                 "one XLA transpose of h [P, F] beside h (1.07x bf16 without it)")
+_PACKED_KEEP = ("parameter", "bitcast", "get-tuple-element", "tuple")
+
+
+def packed_copies(hlo_text: str, shapes) -> list[str]:
+    """The instructions of a compiled module's text whose result has one of
+    ``shapes`` (uint8 shard shapes of packed codes) and that are not a
+    parameter, a bitcast or a tuple's element: copies of the codes."""
+    wanted = {"u8[" + ",".join(map(str, s)) + "]" for s in shapes}
+    found = []
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?\S+ = (u8\[[\d,]*\])(?:\{[^}]*\})? ([\w-]+)\(", line)
+        if m and m.group(1) in wanted and m.group(2) not in _PACKED_KEEP:
+            found.append(line.strip()[:160])
+    return found
+
+
+def _packed_shard_shapes(parallel: ParallelConfig) -> list[tuple[int, ...]]:
+    """Per-device shapes of the packed codes (w1, w3, w2) on the H200 mesh."""
+    layout = make_layout(K3, parallel, experts=ExpertStorage.MXFP4)
+    mesh = h200_mesh(parallel)
+    return [NamedSharding(mesh, d.spec).shard_shape(d.shape) for d in moe_decls(layout)
+            if "_packed_" in d.name]
+
+
+def test_packed_copies_finds_a_copy_of_the_codes():
+    """packed_copies on CPU-compiled modules: a deinterleaved (or plainly
+    rewritten) whole array is one; one expert's deinterleave and a
+    reduction over the array are not."""
+    codes = jax.ShapeDtypeStruct((4, 32, 64), jnp.uint8)
+
+    def text(fn):
+        return jax.jit(fn).lower(codes).compile().as_text()
+    assert packed_copies(text(deinterleave_words), [(4, 32, 64)])
+    assert packed_copies(text(lambda c: c + 1), [(4, 32, 64)])
+    assert not packed_copies(text(lambda c: deinterleave_words(c[1])), [(4, 32, 64)])
+    assert not packed_copies(text(lambda c: c.sum(axis=0)), [(4, 32, 64)])
+
+
+def _mxfp4_case(backend: str, tokens: int, *marks):
+    """pytest.param(backend, tokens) in the xdist group of the MXFP4 layout's
+    compile at (backend, tokens) (_on_one_worker's): the 8192-token reports
+    are test_compiled_bytes_are_the_planners', compiled once."""
+    group = pytest.mark.xdist_group(f"{MXFP4_LAYOUT}-{MOE}-{backend}-{tokens}")
+    return pytest.param(backend, tokens, marks=(group, *marks))
+
+
+@pytest.mark.parametrize("backend,tokens", [_mxfp4_case(b, t) for b in ("xla", "pallas")
+                                            for t in (MXFP4_DECODE_TOKENS, MXFP4_PREFILL_TOKENS)])
+def test_mxfp4_programs_hold_no_copy_of_the_packed_experts(backend, tokens):
+    par = LAYOUTS[MXFP4_LAYOUT]
+    r = report(K3, par, MOE, tokens, backend)
+    shapes = _packed_shard_shapes(par)
+    assert len(shapes) == 3
+    for s in shapes:   # the parameters are there, in the text's notation
+        assert f"u8[{','.join(map(str, s))}]" in r.hlo_text, s
+    assert packed_copies(r.hlo_text, shapes) == []
+
+
+@pytest.mark.parametrize("backend,tokens", [_mxfp4_case(b, MXFP4_DECODE_TOKENS)
+                                            for b in ("xla", "pallas")])
+def test_mxfp4_temporaries_at_decode_are_within_the_target(backend, tokens):
+    r = report(K3, LAYOUTS[MXFP4_LAYOUT], MOE, tokens, backend)
+    temporaries = r.per_device_bytes["temporaries"]
+    print(f"{backend} MXFP4 {tokens} tokens: {temporaries / 2 ** 30:.4f} GiB")
+    assert 0 < temporaries <= MXFP4_DECODE_TEMP_MAX, temporaries
+
+
+@pytest.mark.parametrize("backend,tokens", [
+    _mxfp4_case("xla", MXFP4_PREFILL_TOKENS),
+    _mxfp4_case("pallas", MXFP4_PREFILL_TOKENS,
+                pytest.mark.xfail(strict=True, reason=_K_ORDER_COPY))])
+def test_mxfp4_temporaries_at_prefill_are_within_the_bf16_target(backend, tokens):
+    par = LAYOUTS[MXFP4_LAYOUT]
+    mxfp4 = report(K3, par, MOE, tokens, backend).per_device_bytes["temporaries"]
+    bf16 = report(K3, par, MOE, tokens, backend,
+                  expert_dtype="bfloat16").per_device_bytes["temporaries"]
+    print(f"{backend} {tokens} tokens: MXFP4 {mxfp4 / 2 ** 30:.3f} GiB, "
+          f"bf16 {bf16 / 2 ** 30:.3f} GiB ({mxfp4 / bf16:.3f}x)")
+    assert 0 < mxfp4 <= MXFP4_PREFILL_OVER_BF16 * bf16, (mxfp4, bf16)

@@ -1,4 +1,5 @@
-"""MXFP4 codec (pallas_kernels.mxfp4) against an independent bit-level decoder."""
+"""MXFP4 codec (pallas_kernels.mxfp4) against an independent bit-level decoder, and
+the static dequant (Mxfp4Dequant) a packed weight carries."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import pytest
 
 from pallas_kernels.mxfp4 import (
     E2M1_VALUES,
+    Mxfp4Dequant,
+    Mxfp4Weights,
     dequant,
     dequant_numpy,
     encode,
     validate_scales,
 )
+from pallas_kernels.mxfp4_fast import FAST_SCALES
 
 F32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 F32_MIN_NORMAL = 2.0 ** -126
@@ -222,3 +226,52 @@ def test_encode_errors():
         encode(np.full((1, 32), np.inf))
     with pytest.raises(ValueError, match="floating"):
         encode(np.ones((1, 32), np.int32))
+
+
+# -- the static dequant of a packed weight -------------------------------------------
+def test_dequant_is_read_off_the_scale_bytes():
+    """FAST exactly when every byte is in FAST_SCALES (2..128); combine is
+    EXACT when any part is; bad input is named."""
+    assert list(FAST_SCALES) == list(range(2, 129))
+    for byte in range(256):
+        want = Mxfp4Dequant.FAST if byte in FAST_SCALES else Mxfp4Dequant.EXACT
+        s = np.full((2, 3), 100, np.uint8)
+        s[1, 2] = byte
+        assert Mxfp4Dequant.of_scales(s) is want, byte
+        assert Mxfp4Dequant.of_scales(jnp.asarray(s)) is want, byte
+    assert Mxfp4Dequant.of_scales(np.zeros((0, 4), np.uint8)) is Mxfp4Dequant.FAST
+    F, X = Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT
+    assert Mxfp4Dequant.combine([F, F]) is F and Mxfp4Dequant.combine([F, X, F]) is X
+    assert Mxfp4Dequant.combine([]) is F
+    with pytest.raises(ValueError, match="must be uint8"):
+        Mxfp4Dequant.of_scales(np.full(4, 100, np.int32))
+    with pytest.raises(ValueError, match="takes Mxfp4Dequant values, got 'fast'"):
+        Mxfp4Dequant.combine([F, "fast"])
+
+
+def test_weights_carry_the_dequant_as_static_aux_data():
+    """from_checkpoint reads the dequant off concrete scales; it is pytree aux
+    data (not a leaf): a jitted function sees it as a Python value and
+    retraces when it changes; a value that is not an Mxfp4Dequant is named."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (2, 8, 16), dtype=np.uint8)
+    scales = rng.integers(110, 129, (2, 1, 8), dtype=np.uint8)
+    w = Mxfp4Weights.from_checkpoint(codes, scales)
+    assert w.dequant is Mxfp4Dequant.FAST and isinstance(w.packed_GNK, np.ndarray)
+    np.testing.assert_array_equal(np.asarray(w.checkpoint_codes()), codes)
+    scales[1, 0, 7] = 0
+    assert Mxfp4Weights.from_checkpoint(codes, scales).dequant is Mxfp4Dequant.EXACT
+    assert len(jax.tree.leaves(w)) == 2
+    traced = []
+
+    @jax.jit
+    def f(w):
+        traced.append(w.dequant)
+        return w.dequantize(jnp.float32)
+    for d in (Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT, Mxfp4Dequant.FAST):
+        out = f(Mxfp4Weights(jnp.asarray(w.packed_GNK), jnp.asarray(scales), d))
+        np.testing.assert_array_equal(np.asarray(out), np.swapaxes(
+            dequant_numpy(codes, np.swapaxes(scales, 1, 2)), 1, 2))
+    assert traced == [Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT]
+    with pytest.raises(ValueError, match="dequant must be an Mxfp4Dequant, got True"):
+        Mxfp4Weights(w.packed_GNK, w.scale_GKN, True)

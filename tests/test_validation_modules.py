@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k3jax import TINY, KimiMLP, KimiMoE, MlpMode, ParallelConfig, SiTU, make_layout, make_mesh
 from k3jax.layout import ExpertStorage, abstract_mesh
@@ -20,7 +21,7 @@ from k3jax.modules import AbstractSource, RandomSource, build_layer
 from k3jax.modules.moe import expert_weights
 from k3jax.plan import make_plan
 from numerics import rel_err
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 from reference_np import np_mlp
 
 ACT = SiTU.from_config(TINY)
@@ -102,7 +103,7 @@ def test_expert_weights_follow_the_declared_storage():
     rng = np.random.default_rng(4)
     dense = {"w1_ELF": jnp.ones((E, L, F)), "w3_ELF": jnp.ones((E, L, F)),
              "w2_EFL": jnp.ones((E, F, L))}
-    assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE),
+    assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE, None),
                                       dense.values()))
     u8 = lambda shape: jnp.asarray(rng.integers(100, 130, shape), jnp.uint8)  # noqa: E731
     packed = {}   # codes [E, out, in/2] as stored, scales [E, in/32, out]
@@ -110,14 +111,48 @@ def test_expert_weights_follow_the_declared_storage():
                                           ("w2", "ELF", "EFL", F, L)):
         packed[f"{w}_packed_{codes}"] = u8((E, n_out, n_in // 2))
         packed[f"{w}_scale_{scales}"] = u8((E, n_in // 32, n_out))
-    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4)   # packed, never dequantized here
-    assert all(isinstance(w, Mxfp4Weights) for w in (w1, w3, w2))
+    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4, Mxfp4Dequant.FAST)   # never dequantized
+    assert all(isinstance(w, Mxfp4Weights) and w.dequant is Mxfp4Dequant.FAST for w in (w1, w3, w2))
     assert (w1.shape, w3.shape, w2.shape) == ((E, L, F), (E, L, F), (E, F, L))
     assert w1.packed_GNK is packed["w1_packed_EFL"] and w1.scale_GKN is packed["w1_scale_ELF"]
     assert w3.packed_GNK is packed["w3_packed_EFL"] and w3.scale_GKN is packed["w3_scale_ELF"]
     assert w2.packed_GNK is packed["w2_packed_ELF"] and w2.scale_GKN is packed["w2_scale_EFL"]
     with pytest.raises(KeyError):            # a packed dict is never mistaken for dense
-        expert_weights(packed, ExpertStorage.DENSE)
+        expert_weights(packed, ExpertStorage.DENSE, None)
+    with pytest.raises(ValueError, match="MXFP4 experts take dequant an Mxfp4Dequant, got None"):
+        expert_weights(packed, ExpertStorage.MXFP4, None)
+    with pytest.raises(ValueError, match="DENSE experts take dequant None"):
+        expert_weights(dense, ExpertStorage.DENSE, Mxfp4Dequant.EXACT)
+
+
+def test_packed_experts_dequant_is_the_layouts_and_random_scales_allow_fast():
+    """Layout.mxfp4_dequant: FAST unless stated (what abstract and random
+    weights take), None for experts that are not packed, named when not an
+    Mxfp4Dequant, and in describe(). RandomSource's scale bytes lie in
+    FAST_SCALES for every fan-in of TINY's and K3's experts (its centre
+    127 - 2 - round(log2(fan_in) / 2), +-1), so FAST is true of them."""
+    from k3jax import K3
+    from k3jax.modules.params import Init, ParamDecl, _random_unpadded
+    from pallas_kernels.mxfp4_fast import FAST_SCALES
+    packed = make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4)
+    assert packed.mxfp4_dequant is Mxfp4Dequant.FAST
+    exact = make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4,
+                        mxfp4_dequant=Mxfp4Dequant.EXACT)
+    assert exact.mxfp4_dequant is Mxfp4Dequant.EXACT and exact != packed
+    assert "MXFP4 experts' dequant: exact" in exact.describe()
+    for storage in (ExpertStorage.DENSE, ExpertStorage.MXFP4_DEQUANT):
+        lay = make_layout(TINY, ParallelConfig(), experts=storage, mxfp4_dequant=Mxfp4Dequant.EXACT)
+        assert lay.mxfp4_dequant is None and "dequant" not in lay.describe()
+    with pytest.raises(ValueError, match="mxfp4_dequant must be an Mxfp4Dequant, got 'fast'"):
+        make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4, mxfp4_dequant="fast")
+    moe = KimiMoE(packed, make_mesh(ParallelConfig(), jax.devices()[:1]), source=RandomSource(3))
+    for name in ("w1_scale_ELF", "w3_scale_ELF", "w2_scale_EFL"):
+        assert Mxfp4Dequant.of_scales(getattr(moe, name)[...]) is Mxfp4Dequant.FAST, name
+    for cfg in (TINY, K3):
+        for fan_in in (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size):
+            decl = ParamDecl("s", (4096,), jnp.dtype(jnp.uint8), P(), Init.MXFP4_SCALES, fan_in)
+            got = np.asarray(_random_unpadded(jax.random.key(fan_in), decl, (4096,)))
+            assert FAST_SCALES.start <= got.min() and got.max() < FAST_SCALES.stop, (fan_in, got)
 
 
 # -- one device under EP: nothing to exchange -----------------------------------------

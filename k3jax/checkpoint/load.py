@@ -15,6 +15,7 @@ from k3jax.checkpoint.source import CheckpointSource
 from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
 from k3jax.modules.params import ParamDecl
+from k3jax.runtime.agreement import agree_mxfp4_dequant
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
@@ -37,8 +38,11 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     may use). The Layout is made here, once, from the checkpoint's config,
     ``mesh`` (which resolves ``backend``), ``dtype`` and the expert storage
     (ExpertStorage.MXFP4 for packed MXFP4 experts, MXFP4_DEQUANT for MXFP4
-    experts dequantized on load, DENSE for float experts); the module reads
-    it. Raises k3jax.layout.LayoutError when ``parallel`` cannot hold the
+    experts dequantized on load, DENSE for float experts) and, for packed
+    experts, the in-kernel dequant their stored scale bytes allow
+    (Layout.mxfp4_dequant: each process reads its blocks of the scales first,
+    and every process takes the verdict all of them agree on); the module
+    reads it. Raises k3jax.layout.LayoutError when ``parallel`` cannot hold the
     layer (its subclass Mxfp4ShardError when only packed MXFP4 cannot:
     ``mxfp4="dequantize"`` avoids it), CheckpointError for a checkpoint
     problem (no module is returned then)."""
@@ -77,18 +81,25 @@ def load_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequen
 def read_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequence[int],
                 parallel: ParallelConfig = ParallelConfig(), mesh=None, *,
                 dtype=jnp.float32, mxfp4: Mxfp4Mode = "packed",
-                workers: int | None = None) -> int:
+                workers: int | None = None, host_ops: bool | None = None) -> int:
     """The host side of ``load_layers`` alone: every block this process's
     devices would hold is read, checked and dropped exactly as loading does
     (headers first, the read-ahead thread, the worker pool, the staging
-    buffers), and nothing is placed on a device. Returns the bytes read.
+    buffers, the first read of packed MXFP4 scales that decides their
+    dequant), and nothing is placed on a device. Returns the bytes placing
+    reads (the scales' first read not counted).
     ``k3jax load-bench`` times it as the loader's host-side peer: on an
-    accelerator the device work (transfer, transposes) runs beside it."""
+    accelerator the device work (transfer, transposes) runs beside it; on
+    CPU devices it includes the parameters' ops, which run on the host as
+    blocks are read (k3jax.checkpoint.slabs). ``host_ops=False`` reads every
+    block as stored instead, as for an accelerator, and ``True`` applies the
+    ops on the host whatever the devices (None: as loading would)."""
     reader, layers, mesh = _open(checkpoint, layers, parallel, mesh, mxfp4)
     pool, staging = Workers(workers), Staging()
     try:
         return sum(source.read_blocks(decls, mesh) for _, _, decls, source in
-                   _plan(reader, layers, parallel, mesh, dtype, "xla", mxfp4, pool, staging))
+                   _plan(reader, layers, parallel, mesh, dtype, "xla", mxfp4, pool, staging,
+                         agree=False, host_ops=host_ops))
     finally:
         pool.close()
         staging.clear()
@@ -105,11 +116,16 @@ def _open(checkpoint, layers, parallel, mesh, mxfp4):
     return reader, layers, make_mesh(parallel) if mesh is None else mesh
 
 
-def _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging) -> list:
-    """[(layer, layout, decls, source)], every tensor's header checked."""
-    plans = []
+def _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging,
+          agree: bool = True, host_ops: bool | None = None) -> list:
+    """[(layer, layout, decls, source)], every tensor's header checked; the
+    layouts of packed MXFP4 layers carry the dequant their scale bytes allow
+    (this process's blocks read first, CheckpointSource.mxfp4_dequant; the
+    verdicts agreed across processes unless ``agree`` is False: nothing is
+    placed then)."""
+    plans, verdicts = [], []
     for layer in layers:
-        source = CheckpointSource(reader, layer, workers=pool, staging=staging)
+        source = CheckpointSource(reader, layer, workers=pool, staging=staging, host_ops=host_ops)
         experts = ExpertStorage.DENSE
         if source.experts_are_mxfp4:
             experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
@@ -117,8 +133,15 @@ def _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging) 
                              dtype=dtype)
         decls = layer_decls(layout, layer)
         source.check(decls)
+        if experts.packed:   # the same layers on every process: the same verdict count
+            verdicts.append(source.mxfp4_dequant(decls, mesh))
         plans.append((layer, layout, decls, source))
-    return plans
+    agreed = iter(agree_mxfp4_dequant(verdicts) if agree else verdicts)
+    return [(layer, make_layout(reader.config, parallel, mesh, backend=backend,
+                                experts=layout.experts, dtype=dtype,
+                                mxfp4_dequant=next(agreed))
+             if layout.experts.packed else layout, decls, source)
+            for layer, layout, decls, source in plans]
 
 
 def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP | KimiMoE]:

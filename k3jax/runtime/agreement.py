@@ -13,6 +13,12 @@ kernel configuration (pallas_kernels.selfcheck): each process checks its own
 devices, and a configuration that fell back to "xla" on any process runs
 "xla" on all of them, so that every process runs the same program.
 
+:func:`agree_mxfp4_dequant` does it for the in-kernel dequant of packed MXFP4
+experts (pallas_kernels.mxfp4.Mxfp4Dequant): each process reads only its
+blocks of the scales, so each may see a different verdict; the agreed one is
+EXACT for a layer where any process saw a byte outside the fast range, and
+every process compiles the same program.
+
 :func:`replicated` and :func:`gather` move host arrays onto and off a mesh
 that spans every process; both are collective (every process calls them).
 """
@@ -21,11 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from k3jax.runtime.startup import DistributedError, ProcessSpec, init_timeout_s
+from pallas_kernels.mxfp4 import Mxfp4Dequant
 
 _AGREEMENT_KEY = "k3jax/agreement/"
 _BACKENDS_KEY = "k3jax/kernel-backends/"
@@ -116,6 +123,34 @@ def combine_backends(views: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
         seen = {view[name] for view in views.values() if name in view}
         agreed[name] = seen.pop() if len(seen) == 1 else "xla"
     return agreed
+
+
+def agree_mxfp4_dequant(local: Sequence[Mxfp4Dequant]) -> list[Mxfp4Dequant]:
+    """This process's dequant verdict per packed MXFP4 layer -> the verdicts
+    every process agrees on (combine_mxfp4_dequant of all processes'),
+    the same list on every process. Collective when jax runs several
+    processes (each calls it with one verdict per layer, the same layers);
+    with one process, ``local`` itself."""
+    import jax
+    local = list(local)
+    if jax.process_count() == 1 or not local:
+        return combine_mxfp4_dequant([local])
+    from jax.experimental import multihost_utils
+    exact = np.array([d is Mxfp4Dequant.EXACT for d in local], np.int32)
+    views = np.asarray(multihost_utils.process_allgather(exact))   # [processes, layers]
+    return combine_mxfp4_dequant([[Mxfp4Dequant.EXACT if e else Mxfp4Dequant.FAST for e in row]
+                                  for row in views.reshape(-1, len(local))])
+
+
+def combine_mxfp4_dequant(views: Sequence[Sequence[Mxfp4Dequant]]) -> list[Mxfp4Dequant]:
+    """Each process's verdicts, one per layer in the same order -> per layer
+    the combined one (Mxfp4Dequant.combine: EXACT when any process's is).
+    ValueError when the processes hold different numbers of verdicts."""
+    lengths = {len(v) for v in views}
+    if len(lengths) > 1:
+        raise ValueError(f"combine_mxfp4_dequant: the processes hold {sorted(lengths)} verdicts "
+                         f"(one per packed MXFP4 layer, the same layers on every process)")
+    return [Mxfp4Dequant.combine(parts) for parts in zip(*views)]
 
 
 def replicated(x: np.ndarray, mesh):

@@ -11,12 +11,15 @@ The Mosaic kernel runs bf16/f16 natively and float32 as a split-bf16 (bf16x3)
 product, float32-accurate to ~1e-5 relative (see mosaic_sm90.py).
 
 Weights may be MXFP4 (``pallas_kernels.mxfp4.Mxfp4Weights``: codes packed
-along K + UE8M0 scales). They run mosaic_sm90_mxfp4.py's kernel on "pallas"
-(the default on Hopper) and "interpret" (TMA streams the packed codes and
-scales; the dequant to bf16 happens in the kernel; bf16 or float32 x),
-Triton's in-kernel dequantization on "triton", and the blocked path on "xla"
-(one active group dequantized at a time inside its loop; also when only one
-of the fused pair is MXFP4).
+along K in the word layout + UE8M0 scales, and the static dequant the scale
+bytes allow). They run mosaic_sm90_mxfp4.py's kernels on "pallas" (the
+default on Hopper) and "interpret" (TMA streams the packed codes and scales;
+the dequant to bf16 happens in the kernel, by the fast sequence for FAST
+weights, exactly for EXACT ones; bf16 or float32 x), Triton's in-kernel
+dequantization on "triton", and the blocked path on "xla" (one active group
+dequantized at a time inside its loop; also when only one of the fused pair
+is MXFP4). Every path reads the codes in place: no program holds a
+reordered copy of the packed weights.
 
 Differentiable in x and the (float) weights on every backend through
 vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan contracting the
@@ -109,8 +112,8 @@ def grouped_matmul(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights, group_sizes
 def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
     """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if isinstance(w_GKN, Mxfp4Weights):
-        if impl == "triton":   # in-kernel dequantization (W4A16) of the checkpoint's codes
-            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.checkpoint_codes(),
+        if impl == "triton":   # in-kernel dequantization (W4A16) of the word layout, in place
+            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GNK,
                                                          w_GKN.scale_GKN, group_sizes_G)
         # pallas / interpret: in-kernel dequant + bf16 WGMMA (W4A16); xla: blocked
         return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl)
@@ -156,10 +159,10 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
                               impl):
     """The forward dispatch of grouped_situ_glu (validated inputs, resolved backend)."""
     packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
-    if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16), checkpoint codes
+    if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16), word layout
         return triton_kernels().grouped_situ_glu_mxfp4(
-            x_MK, w_gate_GKN.checkpoint_codes(), w_gate_GKN.scale_GKN,
-            w_up_GKN.checkpoint_codes(), w_up_GKN.scale_GKN, group_sizes_G, beta=beta,
+            x_MK, w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN,
+            w_up_GKN.packed_GNK, w_up_GKN.scale_GKN, group_sizes_G, beta=beta,
             linear_beta=linear_beta)
     if all(packed) and impl in mxfp4_vjp.IMPLS:   # kernel dequant + bf16 WGMMA, or blocked
         return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,

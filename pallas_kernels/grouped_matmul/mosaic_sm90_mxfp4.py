@@ -17,23 +17,23 @@ consumer warpgroup dequantizes them 64 rows at a time into a bf16
 bf16 WGMMA from SMEM with that tile read transposed (WGMMA's MN-major B).
 One consumer warpgroup, 64-row x tiles, 128-column weight tiles (DEFAULT).
 
-Two kernels per launch, chosen by lax.cond on needs_exact (one XLA reduction
-over the scale bytes, 1/16 of the packed bytes):
-  * fast (``..._mxfp4_m64``): fast_dequant_tile, mxfp4_dequant.fast_chunk
-    per 64 rows (pallas_kernels.mxfp4_fast's sequence on each word: inline
-    PTX; its jnp emulation in interpret mode), whose fragment the tile
-    stores. x streams in mxfp4_dequant.k_order. Exact when every scale byte
-    is in FAST_SCALES (2..128).
-  * exact (``..._mxfp4_exact_m64``): dequant_tile below, for weights with any
-    scale byte outside FAST_SCALES (0, 1, 129..254, 255). It decodes the
-    checkpoint's bytes (byte j of a row: K elements 2j, low nibble, and
-    2j+1), which the launcher restores from the word layout with one XLA
-    pass over the codes (deinterleave_words; only on this rare path), and
-    writes a 128-element K chunk's low nibbles (its even elements) to
-    columns 0..63 of the tile and the high nibbles to 64..127: x streams in
-    that order (exact_k_order). Either permutation of x is one XLA
-    transpose (M x K bf16, small beside the weights at decode), and the
-    WGMMA reads the pipeline's x tile as it lands.
+Two kernels, chosen at trace time by the weights' static dequant
+(Mxfp4Weights.dequant, decided from the scale bytes when they were loaded:
+no reduction over the scales runs in the program). Both read the codes in
+the word layout in place and take x in mxfp4_dequant.k_order (one XLA
+transpose of x, M x K bf16, small beside the weights at decode; the WGMMA
+reads the pipeline's x tile as it lands):
+  * fast (``..._mxfp4_m64``, every weight FAST): fast_dequant_tile,
+    mxfp4_dequant.fast_chunk per 64 rows (pallas_kernels.mxfp4_fast's
+    sequence on each word: inline PTX; its jnp emulation in interpret mode),
+    whose fragment the tile stores. Exact when every scale byte is in
+    FAST_SCALES (2..128).
+  * exact (``..._mxfp4_exact_m64``, any weight EXACT): dequant_tile below,
+    right for every scale byte (0, 1, 129..254 and 255 too). Per word of a
+    thread's 16 bytes, mxfp4_dequant.code_bits_piece runs the fast
+    sequence's bit permutation alone (inline PTX, 8 integer instructions a
+    word) to put each code's bits in place, and the decode below turns
+    them into exact bf16, the same tile and K order as the fast kernel's.
 Keeping the exact path out of the fast kernel's K loop matters: a per-step
 branch to it makes ptxas serialize the WGMMAs (C7519) and spill the fused tile.
 
@@ -42,7 +42,8 @@ byte 255 -> NaN, float32 overflow -> inf, results below 2**-126 -> signed
 zero, then the exact cast to bf16). No float subnormal appears in any
 operand, so a flush-to-zero multiply (XLA:CPU's, in interpret mode) gives
 the same bits:
-    magnitude: the float32 with bits ((c & 7) << 22) + (126 << 23) is
+    magnitude: the float32 with bits ((c & 7) << 22) + (126 << 23) (the
+      code's magnitude bits as code_bits_piece places them, plus a bias) is
       2**(e - 1) * (1 + m / 2), the E2M1 magnitude for e >= 1; codes 0 / 1
       (0.5 / 0.75 there) are corrected to 0 / 0.5 by 2x - 1 and a select;
     scale: per row and block, the int bits of 2**(max(b, 1) - 127) (a NaN for
@@ -71,13 +72,11 @@ from pallas_kernels.grouped_matmul import mosaic_skeleton as skeleton
 from pallas_kernels.grouped_matmul import mosaic_sm90 as sm90
 from pallas_kernels.grouped_matmul import mxfp4_dequant, tiling
 from pallas_kernels.grouped_matmul.schedule import schedule, x_rows
-from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Weights
-from pallas_kernels.mxfp4_fast import FAST_SCALES
-from pallas_kernels.mxfp4_words import deinterleave_words
+from pallas_kernels.mxfp4 import BLOCK_SIZE, MIN_NORMAL_F32, SCALE_NAN, Mxfp4Dequant, Mxfp4Weights
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = 128          # K elements per pipeline step: 64 code bytes a row, 4 scale rows
-_HALF = BLOCK_SIZE // 2   # code bytes per scale block (16)
+_WORDS = BLOCK_K // BLOCK_SIZE   # scale blocks a K step; also words of a thread's 16 bytes
 EPILOGUE_COLS = 32   # fused SiTU epilogue: columns per chunk (registers)
 
 
@@ -91,49 +90,51 @@ def scale_bits(scale_row):
             | jnp.where(b == 0, jnp.int32(1), 0))
 
 
-def dequant_nibbles(codes, scale_bits_):
-    """int32 E2M1 codes [r, N] (0..15) x scale_bits [r, N] -> bf16 [r, N],
-    exact (see the module docstring)."""
-    mag3 = codes & 7
+def dequant_code_bits(code_bits, scale_bits_):
+    """E2M1 codes as mxfp4_dequant.code_bits holds them (int32 [r, N]:
+    magnitude e1 e0 m at bits 22..24, sign at 31) x scale_bits [r, N] ->
+    bf16 [r, N], exact (see the module docstring)."""
+    mag_bits = code_bits & jnp.int32(7 << mxfp4_dequant.CODE_MAGNITUDE_SHIFT)
     # 2**(e - 1) * (1 + m / 2): the magnitude for e >= 1; 0.5 / 0.75 for codes 0 / 1
-    normal = lax.bitcast_convert_type((mag3 << 22) + jnp.int32(126 << 23), jnp.float32)
-    mag = jnp.where(mag3 < 2, normal * 2.0 - 1.0, normal)
+    normal = lax.bitcast_convert_type(mag_bits + jnp.int32(126 << 23), jnp.float32)
+    mag = jnp.where(mag_bits < jnp.int32(2 << mxfp4_dequant.CODE_MAGNITUDE_SHIFT),
+                    normal * 2.0 - 1.0, normal)
     scale = lax.bitcast_convert_type(scale_bits_ & jnp.int32(~1), jnp.float32)
     mag = jnp.where((scale_bits_ & 1) != 0, mag * 0.5, mag)
     value = mag * scale                           # float32 overflow -> inf; NaN scale -> NaN
     value = jnp.where(value < jnp.float32(MIN_NORMAL_F32), jnp.float32(0.0), value)
-    sign = (codes << 28) & jnp.int32(-(1 << 31))
+    sign = code_bits & jnp.int32(-(1 << 31))
     value = lax.bitcast_convert_type(lax.bitcast_convert_type(value, jnp.int32) | sign,
                                      jnp.float32)
     return value.astype(jnp.bfloat16)
 
 
-def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int) -> None:
-    """Dequantize one weight's K step of BLOCK_K = 128: packed uint8 [block_n, 64]
-    (weight rows n by code bytes) and scales uint8 [4, block_n] (SMEM) -> bf16
-    [block_n, 128] in w_smem: row n's low nibbles (even K elements) in
-    columns 0..63, its high nibbles (odd) in 64..127 (exact_k_order puts x's
-    K in the same order). ``packed_smem`` holds the checkpoint's bytes.
+def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
+    """Dequantize one weight's K step of BLOCK_K = 128 exactly: packed uint8
+    [block_n, 64] (weight rows n by code bytes, the word layout) and scales
+    uint8 [4, block_n] (SMEM) -> bf16 [block_n, 128] in w_smem, in
+    mxfp4_dequant.k_order's columns (fast_dequant_tile's tile, bit for bit
+    where the scale bytes are in FAST_SCALES).
 
-    [64, 32] pieces (64 rows, the 32 code bytes of two scale blocks) in the
-    WGMMA register layout, unrolled: each of the two blocks' scale bits is
-    one WGMMA row vector, broadcast along the row and picked per column by
-    one select."""
+    Per 64 rows, the 4 scale blocks' bits (one WGMMA row vector each) and,
+    per word of a thread's 16 bytes, one [64, 32] piece:
+    mxfp4_dequant.code_bits_piece (the codes out of the word layout), the
+    column's scale block (column 8j + 2l + L: block l) picked by selects,
+    dequant_code_bits, stored at columns 32 word .. 32 word + 31. Unrolled."""
     wgmma = plgpu.Layout.WGMMA
-    rows, cols = mxfp4_dequant.ROWS, mxfp4_dequant.BYTES // 2
-    first_block = lax.broadcasted_iota(jnp.int32, (rows, cols), 1) < _HALF
+    rows, cols = mxfp4_dequant.ROWS, BLOCK_K // _WORDS
+    block_of_col = (lax.broadcasted_iota(jnp.int32, (rows, cols), 1) >> 1) & (_WORDS - 1)
     for r in range(block_n // rows):
         row_chunk = pl.ds(r * rows, rows)
-        for half in range(2):
-            bits = [jnp.broadcast_to(scale_bits(plgpu.load(scale_smem.at[2 * half + b, row_chunk],
-                                                           layout=wgmma.reduce(1)))[:, None],
-                                     (rows, cols)) for b in range(2)]
-            bits = jnp.where(first_block, bits[0], bits[1])
-            packed = plgpu.load(packed_smem.at[row_chunk, pl.ds(half * cols, cols)],
-                                layout=wgmma).astype(jnp.int32)
-            w_smem[row_chunk, pl.ds(half * cols, cols)] = dequant_nibbles(packed & 0xF, bits)
-            w_smem[row_chunk, pl.ds(BLOCK_K // 2 + half * cols, cols)] = \
-                dequant_nibbles(packed >> 4, bits)
+        blocks = [jnp.broadcast_to(scale_bits(plgpu.load(scale_smem.at[b, row_chunk],
+                                                         layout=wgmma.reduce(1)))[:, None],
+                                   (rows, cols)) for b in range(_WORDS)]
+        bits = jnp.where(block_of_col == 0, blocks[0],
+                         jnp.where(block_of_col == 1, blocks[1],
+                                   jnp.where(block_of_col == 2, blocks[2], blocks[3])))
+        for word in range(_WORDS):
+            codes = mxfp4_dequant.code_bits_piece(packed_smem.at[row_chunk, :], word, interpret)
+            w_smem[row_chunk, pl.ds(word * cols, cols)] = dequant_code_bits(codes, bits)
 
 
 def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
@@ -145,14 +146,6 @@ def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: 
         row_chunk = pl.ds(r * rows, rows)
         w_smem[row_chunk, :] = mxfp4_dequant.fast_chunk(packed_smem.at[row_chunk, :],
                                                         scale_smem.at[:, row_chunk], interpret)
-
-
-def exact_k_order(x_MK: jax.Array) -> jax.Array:
-    """x [M, K] (K a multiple of BLOCK_K) -> the exact kernel's K order: in
-    each 128-element chunk the even elements, then the odd ones (the order
-    dequant_tile's rows have)."""
-    m, k = x_MK.shape
-    return x_MK.reshape(m, k // BLOCK_K, BLOCK_K // 2, 2).swapaxes(2, 3).reshape(m, k)
 
 
 def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
@@ -219,7 +212,7 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
                     if fast:
                         fast_dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
                     else:
-                        dequant_tile(packed_smem, scale_smem, tile, cfg.block_n)
+                        dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
                     for x_tile in x_tiles[::-1]:   # lo plane (if any) first
                         plgpu.wgmma(acc, x_tile, tile.transpose((1, 0)))   # [K, N] from [N, K]
@@ -330,14 +323,6 @@ def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, x_dty
                      k_pad=tiling.round_up(k, BLOCK_K), n_pad=tiling.round_up(n, cfg.block_n))
 
 
-def needs_exact(scales: list[jax.Array]) -> jax.Array:
-    """True when any UE8M0 byte of ``scales`` (uint8 [G, K/32, N] each) is
-    outside mxfp4_fast.FAST_SCALES: the launch then runs the exact kernel.
-    One XLA reduction over the scale bytes (1/16 of the packed bytes)."""
-    lo, hi = FAST_SCALES.start, FAST_SCALES.stop - 1
-    return functools.reduce(jnp.logical_or, [jnp.any((s < lo) | (s > hi)) for s in scales])
-
-
 def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.Array]:
     """(packed, scale) zero-padded to [G, n_pad, k_pad/2] / [G, k_pad/32, n_pad]
     (padded codes are 0 with scale byte 127: exact zeros). No-op for K3 shapes."""
@@ -350,19 +335,17 @@ def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.
 
 
 def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int, n_pad: int,
-                    planes: int, fast: bool) -> tuple[list[jax.Array], list[jax.Array]]:
-    """(x planes [rows, k_pad], (packed, scale) per weight padded by
-    pad_weight): the operands the MXFP4 kernels stream (planes 2: float32 x
-    as hi + lo bf16). The fast kernels (``fast``) take the codes in the word
-    layout they are held in and x in mxfp4_dequant.k_order; the exact kernel
-    takes the checkpoint's codes (one XLA pass, deinterleave_words, on this
-    rare path) and x in exact_k_order."""
+                    planes: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """(x planes [rows, k_pad] in mxfp4_dequant.k_order, (packed, scale) per
+    weight padded by pad_weight): the operands the MXFP4 kernels, fast and
+    exact, stream (planes 2: float32 x as hi + lo bf16). The codes stay in
+    the word layout they are held in (no copy for K3 shapes, which need no
+    padding); x's permutation is one XLA transpose (M x K bf16, small beside
+    the weights at decode)."""
     x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, rows), 1, k_pad)
-    order = mxfp4_dequant.k_order if fast else exact_k_order
-    x_planes = [order(p) for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
+    x_planes = [mxfp4_dequant.k_order(p)
+                for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in pad_weight(w, k_pad, n_pad)]
-    if not fast:
-        w_refs[0::2] = [deinterleave_words(p) for p in w_refs[0::2]]
     return x_planes, w_refs
 
 
@@ -375,7 +358,7 @@ def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
     x_planes, w_refs = kernel_operands(x_MK, weights, rows=launch.m_pad, k_pad=launch.k_pad,
-                                       n_pad=launch.n_pad, planes=launch.planes, fast=fast)
+                                       n_pad=launch.n_pad, planes=launch.planes)
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
     name = "grouped_situ_glu" if num_w == 2 else "grouped_matmul"
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
@@ -391,17 +374,20 @@ def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     return y_MN if launch.n_pad == n else y_MN[:, :n]
 
 
+def all_fast(weights: list[Mxfp4Weights]) -> bool:
+    """Whether the fast kernel may run: every weight's dequant is FAST
+    (static; a pair with one EXACT weight runs the exact kernel)."""
+    return all(w.dequant is Mxfp4Dequant.FAST for w in weights)
+
+
 def _mxfp4_call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                 cfg: sm90.TileConfig | None, interpret):
-    """The fast kernel, or the exact one when a scale byte is outside
-    FAST_SCALES (module docstring)."""
+    """The fast kernel, or the exact one for EXACT weights (module docstring)."""
     m, _, n, _, _ = skeleton.launch_dims(x_MK, weights)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
-    run = functools.partial(row_major, epilogue=epilogue, cfg=cfg, interpret=interpret)
-    return lax.cond(needs_exact([w.scale_GKN for w in weights]),
-                    lambda ops: run(*ops, fast=False), lambda ops: run(*ops, fast=True),
-                    (x_MK, weights, group_sizes_G))
+    return row_major(x_MK, weights, group_sizes_G, epilogue=epilogue, cfg=cfg,
+                     interpret=interpret, fast=all_fast(weights))
 
 
 def grouped_matmul_mxfp4(x_MK, w_GKN: Mxfp4Weights, group_sizes_G, *,

@@ -25,9 +25,8 @@ there the products, the K order and the schedule are checked, not the
 register-A issue itself (the sm_90a compile checks that it lowers).
 
 Only the fast sequence runs here (scale bytes in mxfp4_fast.FAST_SCALES);
-the dispatcher (``grouped_matmul_mxfp4``) sends weights with any other scale
-byte to mosaic_sm90_mxfp4's exact row-major kernel (lax.cond on
-mosaic_sm90_mxfp4.needs_exact).
+the dispatcher (``grouped_matmul_mxfp4``) sends EXACT weights
+(Mxfp4Weights.dequant, static) to mosaic_sm90_mxfp4's exact row-major kernel.
 
 Output: as mosaic_sm90_swap_ab, each tile writes its transposed tile to its
 own columns of out^T [n_pad, W * block_t] (item w owns [w * block_t, (w + 1)
@@ -45,7 +44,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -62,7 +60,6 @@ from pallas_kernels.grouped_matmul.schedule import (
 )
 from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
 from pallas_kernels.situ import situ_glu_f32
-from pallas_kernels.vma import varying_like_inputs
 
 BLOCK_K = row_major_mxfp4.BLOCK_K
 WG_ROWS = mxfp4_dequant.ROWS   # weight rows a consumer warpgroup dequantizes and multiplies
@@ -264,8 +261,7 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     plan = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     block_t = plan.cfg.block_t
     x_planes, w_refs = row_major_mxfp4.kernel_operands(
-        x_MK, weights, rows=plan.x_rows, k_pad=plan.k_pad, n_pad=plan.n_pad, planes=plan.planes,
-        fast=True)
+        x_MK, weights, rows=plan.x_rows, k_pad=plan.k_pad, n_pad=plan.n_pad, planes=plan.planes)
     meta_4W = schedule(group_sizes_G, m, block_t)
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=plan.planes, plan=plan,
                       out_dtype=out_dtype, interpret=bool(interpret))
@@ -283,19 +279,16 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
 
 def _call(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
           cfg: Mxfp4SwapABConfig | None, interpret):
-    """This kernel, or mosaic_sm90_mxfp4's exact row-major kernel when a
-    scale byte is outside FAST_SCALES."""
+    """This kernel for FAST weights, mosaic_sm90_mxfp4's exact row-major
+    kernel when any weight is EXACT (static: Mxfp4Weights.dequant)."""
     m, _, n, _, _ = skeleton.launch_dims(x_MK, weights)
     if m == 0 or n == 0:
         return jnp.zeros((m, n), x_MK.dtype)
-    fast = functools.partial(swap_ab_fast, epilogue=epilogue, cfg=cfg, interpret=interpret)
-    exact = functools.partial(row_major_mxfp4.row_major, epilogue=epilogue, cfg=None,
-                              interpret=interpret, fast=False)
-
-    def branch(run):   # under shard_map both outputs vary like the operands
-        return lambda ops: varying_like_inputs(run(*ops), *jax.tree.leaves(ops))
-    return lax.cond(row_major_mxfp4.needs_exact([w.scale_GKN for w in weights]),
-                    branch(exact), branch(fast), (x_MK, weights, group_sizes_G))
+    if row_major_mxfp4.all_fast(weights):
+        return swap_ab_fast(x_MK, weights, group_sizes_G, epilogue=epilogue, cfg=cfg,
+                            interpret=interpret)
+    return row_major_mxfp4.row_major(x_MK, weights, group_sizes_G, epilogue=epilogue, cfg=None,
+                                     interpret=interpret, fast=False)
 
 
 def grouped_matmul_mxfp4(x_MK, w_GKN: Mxfp4Weights, group_sizes_G, *,

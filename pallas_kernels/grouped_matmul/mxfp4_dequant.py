@@ -1,8 +1,10 @@
 """The MXFP4 Mosaic kernels' fast dequantization (pallas_kernels.mxfp4_fast's
 sequence) into a WGMMA register fragment, on the GPU (inline PTX through
-plgpu.inline_mgpu) and in interpret mode (the jnp emulation of the same ops).
+plgpu.inline_mgpu) and in interpret mode (the jnp emulation of the same ops),
+and the exact kernel's code extraction from the same word layout.
 
     a = fast_chunk(codes_smem, scale_smem, interpret)
+    bits = code_bits_piece(codes_smem, word, interpret)
 
 Operands (SMEM refs). ``codes_smem`` is uint8 [64, 64]: 64 weight rows of a K
 step's codes (weight columns n, the stored [out, in] orientation) by their 64
@@ -22,9 +24,20 @@ Result. ``a`` is bf16 [64, 128] in plgpu.Layout.WGMMA whose column
 c = 32b + 8j + 2l + L holds K element 32l + 8b + 2j + L of the step
 (``k_order`` puts x in the same order). It is both what the row-major kernel
 stores as its weight tile and the register A operand of the swap-AB
-kernel's WGMMA. Exact for scale bytes in mxfp4_fast.FAST_SCALES only: the
-launcher runs the exact kernel when any byte is outside
-(mosaic_sm90_mxfp4.needs_exact).
+kernel's WGMMA. Exact for scale bytes in mxfp4_fast.FAST_SCALES only:
+weights with any other byte (Mxfp4Weights.dequant EXACT) run the exact
+kernel instead.
+
+Exact kernel. ``code_bits_piece`` loads word ``word`` (bytes 16l + 4 word
+.. + 3, one 4-byte load) of each of a thread's two rows and runs
+``CODE_BITS_SEQUENCE`` on it: mxfp4_fast.INTEGER_SEQUENCE (the permutation
+of the word's bits, no scale), then each output's two lanes moved to the
+top half of a 32-bit register. The result is int32 [64, 32] in
+plgpu.Layout.WGMMA whose column c = 8j + 2l + L holds K element
+32l + 8 word + 2j + L of the step as ``code_bits`` would put its code
+(magnitude e1 e0 m at bits 22..24, sign at 31): columns 32 word ..
+32 word + 31 of ``fast_chunk``'s tile, the same K order. The exact kernel
+decodes them in Pallas ops (mosaic_sm90_mxfp4.dequant_code_bits).
 """
 
 from __future__ import annotations
@@ -51,7 +64,26 @@ _WORDS = _THREAD_BYTES // 4
 _OUTPUTS = len(fast.OUTPUTS["SEQUENCE"])   # bf16x2 registers a word becomes
 _REGISTERS = (1, K_STEP // 8, 1, 1, 2, 1, 1, 1, 1)   # WGMMA registers of bf16 [64, 128]
 
+_PIECE_COLS = K_STEP // _WORDS   # columns of one word's piece (8 codes x 4 threads)
+_PIECE_REGISTERS = (1, _OUTPUTS, 1, 1, 2, 1, 1, 1, 1)   # WGMMA registers of [64, 32]
+
 _WORD_ASM = fast.ptx(fast.SEQUENCE, fast.INPUTS["SEQUENCE"], fast.OUTPUTS["SEQUENCE"])
+
+# code_bits_piece's registers: INTEGER_SEQUENCE's output cj holds two codes
+# in bf16 bit positions (mxfp4_fast.LANE_TARGET: m, e0, e1 at 6..8, sign at
+# 15, in each 16-bit lane); lane 0 moved up 16 (x 2**16) and lane 1 masked
+# put each at magnitude bits 22..24, sign 31, as float32 bits (code_bits).
+CODE_MAGNITUDE_SHIFT = fast.LANE_TARGET[0] + 16
+if fast.LANE_TARGET != (6, 7, 8, 15):   # dequant_code_bits reads e1 e0 m at 22..24, sign at 31
+    raise AssertionError(f"mxfp4_fast.LANE_TARGET {fast.LANE_TARGET} moved: update code_bits")
+CODE_BITS_SEQUENCE = fast.INTEGER_SEQUENCE + tuple(
+    op for j in range(_OUTPUTS)
+    for op in (fast.Op("mul", f"l{j}", (f"c{j}",), (1 << 16,)),
+               fast.Op("and", f"h{j}", (f"c{j}",), (0xFFFF0000,))))
+"""q (one interleaved word) -> l0, h0, .., l3, h3: the word's 8 codes, K
+elements 2j (lj) and 2j + 1 (hj), as code_bits puts them."""
+_CODE_BITS_OUT = tuple(f"{x}{j}" for j in range(_OUTPUTS) for x in "lh")
+_CODE_BITS_ASM = fast.ptx(CODE_BITS_SEQUENCE, ("q",), _CODE_BITS_OUT)
 _SCALE_ASM = fast.ptx(fast.SCALE_SEQUENCE, fast.INPUTS["SCALE_SEQUENCE"],
                       fast.OUTPUTS["SCALE_SEQUENCE"])
 
@@ -125,6 +157,60 @@ def _fast_chunk_emulated(codes_smem, scale_smem):
                                     jnp.bfloat16)
 
 
+def _code_bits_piece_mgpu(word: int):
+    out_t = plgpu.ShapeDtypeStruct((ROWS, _PIECE_COLS), jnp.int32, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=out_t)
+    def piece(_ctx, codes_ref):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        tid = mgpu_utils.thread_idx()
+        lane = arith.remui(tid, _i32(32))
+        warp = arith.remui(arith.divui(tid, _i32(32)), _i32(WARPGROUP_THREADS // 32))
+        quad = arith.remui(lane, _i32(4))
+        row0 = arith.addi(arith.muli(warp, _i32(16)), arith.divui(lane, _i32(4)))
+        col = _index(arith.addi(arith.muli(quad, _i32(_THREAD_BYTES)), _i32(4 * word)))
+        regs = np.empty(_PIECE_REGISTERS, dtype=object)
+        for half in range(2):
+            row = _index(arith.addi(row0, _i32(8 * half)))
+            data = vector.load(ir.VectorType.get((4,), i8), codes_ref, [row, col])
+            q = vector.extract(mgpu_utils.bitcast(data, ir.VectorType.get((1,), i32)), [], [0])
+            out = _asm(_CODE_BITS_ASM, len(_CODE_BITS_OUT), q)
+            for j in range(_OUTPUTS):
+                regs[0, j, 0, 0, half, 0, 0, 0, 0] = vector.from_elements(
+                    ir.VectorType.get((2,), i32), out[2 * j: 2 * j + 2])
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
+
+    return piece
+
+
+def _code_bits_piece_emulated(codes_smem, word: int):
+    q = words_of(codes_smem[...])[:, word::_WORDS]                     # [64, 4]: thread quad l
+    regs = fast.emulate(CODE_BITS_SEQUENCE, q=q)
+    outs = jnp.stack([regs[o] for o in _CODE_BITS_OUT], axis=-1)       # [64, 4 (l), 8 (j, L)]
+    outs = outs.reshape(ROWS, _WORDS, _OUTPUTS, 2).transpose(0, 2, 1, 3)   # (j, l, L)
+    return lax.bitcast_convert_type(outs.reshape(ROWS, _PIECE_COLS), jnp.int32)
+
+
+def code_bits_piece(codes_smem, word: int, interpret: bool):
+    """uint8 [64, 64] codes (word layout) of 64 weight rows of a K step ->
+    int32 [64, 32] (WGMMA layout): each code of word ``word`` (0..3) of every
+    thread's 16 bytes as ``code_bits`` puts it, at columns 8j + 2l + L
+    (module docstring): columns 32 word .. 32 word + 31 of ``fast_chunk``'s
+    tile."""
+    if tuple(codes_smem.shape) != (ROWS, BYTES) or word not in range(_WORDS):
+        raise ValueError(f"code_bits_piece takes codes [{ROWS}, {BYTES}] and a word in "
+                         f"0..{_WORDS - 1}, got {tuple(codes_smem.shape)} and word {word}")
+    if interpret:
+        return _code_bits_piece_emulated(codes_smem, word)
+    return _code_bits_piece_mgpu(word)(codes_smem)
+
+
+def code_bits(codes):
+    """int32 E2M1 codes (0..15) -> the bits code_bits_piece holds them as:
+    magnitude (e1 e0 m) at bits 22..24, sign at 31, the rest 0."""
+    return ((codes & 7) << CODE_MAGNITUDE_SHIFT) | ((codes << 28) & jnp.int32(-(1 << 31)))
+
+
 def fast_chunk(codes_smem, scale_smem, interpret: bool):
     """uint8 [64, 64] codes (word layout) of 64 weight rows of a K step and
     their uint8 [4, 64] scales (SMEM refs; scale block x row) -> bf16
@@ -138,4 +224,5 @@ def fast_chunk(codes_smem, scale_smem, interpret: bool):
     return _fast_chunk_mgpu()(codes_smem, scale_smem)
 
 
-__all__ = ["BYTES", "K_STEP", "ROWS", "fast_chunk", "k_order"]
+__all__ = ["BYTES", "CODE_BITS_SEQUENCE", "CODE_MAGNITUDE_SHIFT", "K_STEP", "ROWS", "code_bits",
+           "code_bits_piece", "fast_chunk", "k_order"]

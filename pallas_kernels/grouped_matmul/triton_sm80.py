@@ -11,12 +11,17 @@ Each has an MXFP4 twin (``*_mxfp4``) taking the weights as packed E2M1 codes
 and UE8M0 scales (docs/spec.md §3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
 them (``ExpertStorage.MXFP4``, ``mxfp4.Mxfp4Weights``): w_packed_GNH uint8
 [G, N, K/2] (H = K/2; the checkpoint's [out, in] orientation, each column n's
-K/2 bytes contiguous), packed along K (low nibble = row 2j, high nibble =
-row 2j+1), and w_scale_GSN uint8 [G, K/32, N] (S = K/32). The weight tile
-is dequantized in registers (shifts and masks build the float32 bits of
-each E2M1 value, times 2**(byte - 127), the same float32 math as
-``dequant``, so bit-identical to it) and fed to a bf16 tensor-core dot:
-W4A16. (``tl.dot_scaled`` would need triton 3.9.)
+K/2 bytes contiguous), packed along K in the word layout
+(pallas_kernels.mxfp4_words: each 4 bytes one 32-bit word of 8 codes, K
+elements 8w .. 8w + 7, its bits permuted), read in place, and w_scale_GSN
+uint8 [G, K/32, N] (S = K/32). The weight tile is dequantized in registers:
+each word's bits are put back in order by mxfp4_fast.INTEGER_SEQUENCE (the
+fast Mosaic sequence's integer part: 8 operations a word), then shifts and
+masks build the float32 bits of each E2M1 value, times 2**(byte - 127), the
+same float32 math as ``dequant``, so bit-identical to it, fed to a bf16
+tensor-core dot: W4A16. Right for every scale byte, so the weights' static
+``dequant`` (FAST / EXACT) does not matter here. (``tl.dot_scaled`` would
+need triton 3.9.)
 
 Scheduling: the Mosaic kernels' work items (``schedule.work_items_4W``:
 int32 [4, W] = group or -1 for the tail, the first x row of the item's tile,
@@ -43,6 +48,7 @@ import jax_triton as jt
 import triton
 import triton.language as tl
 
+from pallas_kernels import mxfp4_fast
 from pallas_kernels.grouped_matmul.schedule import num_work_items, work_items_4W
 from pallas_kernels.triton_target import target_capability
 
@@ -152,25 +158,68 @@ def _dense_w_tile(w_ptr, group, k0, cols, K: tl.constexpr, N: tl.constexpr,
     return tl.load(base + ks[:, None] * N + cols[None, :], mask=mask, other=0.0)
 
 
+# mxfp4_fast.INTEGER_SEQUENCE, as _word_codes runs it: c0 = q & T, cj = rotr(q,
+# ROTATE[j]) & T (j = 1, 2), c3 = ((q & REST) * MUL) & T. Checked against the
+# sequence at import, so a change to it cannot pass here unnoticed.
+_T = tl.constexpr(mxfp4_fast.TARGET_BITS)
+_REST = tl.constexpr(mxfp4_fast.REST_BITS)
+_MUL = tl.constexpr(mxfp4_fast.REST_MULTIPLIER)
+_ROT1, _ROT2 = (tl.constexpr(op.imm[0]) for op in mxfp4_fast.INTEGER_SEQUENCE if op.name == "rotr")
+_SEQ = mxfp4_fast.Op
+if mxfp4_fast.INTEGER_SEQUENCE != (
+        _SEQ("and", "c0", ("q",), (_T.value,)),
+        _SEQ("rotr", "t1", ("q",), (_ROT1.value,)), _SEQ("and", "c1", ("t1",), (_T.value,)),
+        _SEQ("rotr", "t2", ("q",), (_ROT2.value,)), _SEQ("and", "c2", ("t2",), (_T.value,)),
+        _SEQ("and", "r3", ("q",), (_REST.value,)), _SEQ("mul", "t3", ("r3",), (_MUL.value,)),
+        _SEQ("and", "c3", ("t3",), (_T.value,))):
+    raise AssertionError("mxfp4_fast.INTEGER_SEQUENCE changed: update triton_sm80._word_codes")
+# where a code's bits land in each 16-bit lane of cj (e1 e0 m adjacent)
+_M_BIT = tl.constexpr(mxfp4_fast.LANE_TARGET[0])
+_SIGN_BIT = tl.constexpr(mxfp4_fast.LANE_TARGET[3])
+if mxfp4_fast.LANE_TARGET[1:3] != (_M_BIT.value + 1, _M_BIT.value + 2):
+    raise AssertionError(f"mxfp4_fast.LANE_TARGET {mxfp4_fast.LANE_TARGET}: e1 e0 m not adjacent")
+
+
+@triton.jit
+def _lane_codes(c):
+    """One cj (uint32) -> its two E2M1 codes (int32 0..15): lane 0, lane 1."""
+    lo = ((c >> _M_BIT) & 7) | ((c >> (_SIGN_BIT - 3)) & 8)
+    hi = ((c >> (_M_BIT + 16)) & 7) | ((c >> (_SIGN_BIT + 13)) & 8)
+    return lo.to(tl.int32), hi.to(tl.int32)
+
+
 @triton.jit
 def _mxfp4_w_tile(packed_ptr, scale_ptr, group, k0, cols, K: tl.constexpr, N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """The same tile dequantized from packed [G, N, K/2] (byte (g, n, h) at
-    g*N*K/2 + n*K/2 + h: rows 2h and 2h+1) and scales [G, K/32, N]."""
-    halves = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    tile_ok = (cols[:, None] < N) & (halves[None, :] < K // 2)
-    packed_base = packed_ptr + group.to(tl.int64) * (N * (K // 2))
-    packed_NH = tl.load(packed_base + cols[:, None] * (K // 2) + halves[None, :],
-                        mask=tile_ok, other=0).to(tl.int32)
-    # rows 2h and 2h+1 share the scale of block 2h // 32 = h // 16
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """The same tile dequantized from packed [G, N, K/2] in the word layout
+    (word (g, n, w), 4 bytes at g*N*K/2 + n*K/2 + 4w: K elements 8w .. 8w + 7,
+    loaded as one uint32) and scales [G, K/32, N] (word w's block: w // 4)."""
+    words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    tile_ok = (words[:, None] < K // 8) & (cols[None, :] < N)
+    word_base = packed_ptr.to(tl.pointer_type(tl.uint32)) + group.to(tl.int64) * (N * (K // 8))
+    q_WN = tl.load(word_base + cols[None, :] * (K // 8) + words[:, None], mask=tile_ok, other=0)
     scale_base = scale_ptr + group.to(tl.int64) * (K // 32 * N)
-    scales_NH = tl.load(scale_base + (halves // 16)[None, :] * N + cols[:, None],
+    scales_WN = tl.load(scale_base + (words // 4)[:, None] * N + cols[None, :],
                         mask=tile_ok, other=127).to(tl.int32)
-    # low nibble = row 2h, high nibble = row 2h+1: decode each, interleave along K
-    # (the decode is elementwise, so the order changes no bit), then [BLOCK_K, BLOCK_N]
-    even_NH = _e2m1_ue8m0(packed_NH & 15, scales_NH).to(dtype)
-    odd_NH = _e2m1_ue8m0(packed_NH >> 4, scales_NH).to(dtype)
-    return tl.trans(tl.interleave(even_NH, odd_NH))
+    # INTEGER_SEQUENCE: cj holds K elements 8w + 2j (lane 0) and 8w + 2j + 1 (lane 1)
+    e0, e1 = _lane_codes(q_WN & _T)
+    e2, e3 = _lane_codes(((q_WN >> _ROT1) | (q_WN << (32 - _ROT1))) & _T)
+    e4, e5 = _lane_codes(((q_WN >> _ROT2) | (q_WN << (32 - _ROT2))) & _T)
+    e6, e7 = _lane_codes(((q_WN & _REST) * _MUL) & _T)
+    v0 = _e2m1_ue8m0(e0, scales_WN).to(dtype)
+    v1 = _e2m1_ue8m0(e1, scales_WN).to(dtype)
+    v2 = _e2m1_ue8m0(e2, scales_WN).to(dtype)
+    v3 = _e2m1_ue8m0(e3, scales_WN).to(dtype)
+    v4 = _e2m1_ue8m0(e4, scales_WN).to(dtype)
+    v5 = _e2m1_ue8m0(e5, scales_WN).to(dtype)
+    v6 = _e2m1_ue8m0(e6, scales_WN).to(dtype)
+    v7 = _e2m1_ue8m0(e7, scales_WN).to(dtype)
+    # [W, N, 2, 2, 2]: index (p, q, r) holds element 4p + 2q + r of word w; then
+    # [W, 8, N] -> [BLOCK_K, BLOCK_N], row 8w + 4p + 2q + r
+    even = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    w_WNi = tl.reshape(tl.join(even, odd), (BLOCK_K // 8, BLOCK_N, 8))
+    return tl.reshape(tl.permute(w_WNi, (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -202,13 +251,15 @@ def _grouped_body(x_ptr, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, meta_ptr, o_ptr
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
                     mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         if MXFP4:
-            w_a = _mxfp4_w_tile(a_ptr, a_scale_ptr, group, k0, cols, K, N, BLOCK_K, x_dtype)
+            w_a = _mxfp4_w_tile(a_ptr, a_scale_ptr, group, k0, cols, K, N, BLOCK_K, BLOCK_N,
+                                x_dtype)
         else:
             w_a = _dense_w_tile(a_ptr, group, k0, cols, K, N, BLOCK_K)
         acc_a = tl.dot(x, w_a, acc_a, input_precision=PRECISION)
         if FUSED:
             if MXFP4:
-                w_b = _mxfp4_w_tile(b_ptr, b_scale_ptr, group, k0, cols, K, N, BLOCK_K, x_dtype)
+                w_b = _mxfp4_w_tile(b_ptr, b_scale_ptr, group, k0, cols, K, N, BLOCK_K, BLOCK_N,
+                                    x_dtype)
             else:
                 w_b = _dense_w_tile(b_ptr, group, k0, cols, K, N, BLOCK_K)
             acc_b = tl.dot(x, w_b, acc_b, input_precision=PRECISION)
@@ -370,10 +421,9 @@ def grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, *, beta: float,
 def grouped_matmul_mxfp4(x_MK, w_packed_GNH, w_scale_GSN, group_sizes_G, *,
                          config: TritonTiles | None = None):
     """y_MN = x_MK @ decode(w)[group(row)]; w as MXFP4 packed uint8 [G, N, K/2]
-    (H = K/2, packed along K in the checkpoint's byte layout:
-    Mxfp4Weights.checkpoint_codes()) and UE8M0 scales uint8
-    [G, K/32, N] (S = K/32), dequantized in the kernel. x bf16 or float32;
-    tail rows are 0."""
+    (H = K/2, packed along K in the word layout: Mxfp4Weights.packed_GNK,
+    read in place) and UE8M0 scales uint8 [G, K/32, N] (S = K/32),
+    dequantized in the kernel. x bf16 or float32; tail rows are 0."""
     (m, k), (g, _, n) = x_MK.shape, w_scale_GSN.shape
     _check_mxfp4("grouped_matmul_mxfp4 w", w_packed_GNH, w_scale_GSN, k, n, g, group_sizes_G)
     if m == 0 or n == 0:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.selfcheck.cache import CheckResult
-from pallas_kernels.selfcheck.config import MXFP4, KernelConfig
+from pallas_kernels.selfcheck.config import KernelConfig, mxfp4_dtypes
 
 CHECK_WEIGHT_BYTES = 4 << 30   # per weight: larger launches are checked on fewer groups
 TOL_BF16 = 1e-2
@@ -45,7 +45,7 @@ PERTURBATION = 0.5   # added to one output element, times max |ref|
 
 
 def tolerance(config: KernelConfig) -> float:
-    if config.w_dtype == MXFP4 or jnp.dtype(config.x_dtype).itemsize < 4:
+    if config.w_dtype in mxfp4_dtypes() or jnp.dtype(config.x_dtype).itemsize < 4:
         return TOL_BF16
     return TOL_F32
 
@@ -61,10 +61,11 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
     x = jax.random.normal(next(keys), (m, k), jnp.float32).astype(jnp.dtype(config.x_dtype))
 
     def weight():
-        if config.w_dtype == MXFP4:
+        if config.w_dtype in mxfp4_dtypes():   # scale bytes in FAST_SCALES, O(1) values
             packed = jax.random.randint(next(keys), (g, n, k // 2), 0, 256, jnp.int32)
             scales = jax.random.randint(next(keys), (g, k // 32, n), 123, 128, jnp.int32)
-            return Mxfp4Weights(packed.astype(jnp.uint8), scales.astype(jnp.uint8))
+            return Mxfp4Weights(packed.astype(jnp.uint8), scales.astype(jnp.uint8),
+                                mxfp4_dtypes()[config.w_dtype])
         w = jax.random.normal(next(keys), (g, k, n), jnp.float32) / np.sqrt(max(k, 1))
         return w.astype(jnp.dtype(config.w_dtype))
 
@@ -80,7 +81,7 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
 def check_groups(config: KernelConfig) -> int:
     """The groups a check of ``config`` runs: all of them while one weight
     takes at most CHECK_WEIGHT_BYTES, else as many as fit (at least 1)."""
-    per_group = config.k * config.n * (17 / 32 if config.w_dtype == MXFP4
+    per_group = config.k * config.n * (17 / 32 if config.w_dtype in mxfp4_dtypes()
                                        else jnp.dtype(config.w_dtype).itemsize)
     if config.groups * per_group <= CHECK_WEIGHT_BYTES:
         return config.groups
@@ -100,20 +101,20 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
         from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
 
         t = default_tiles(config.m, config.groups, config.num_weights,
-                          jnp.dtype(config.x_dtype).itemsize, config.w_dtype == MXFP4)
+                          jnp.dtype(config.x_dtype).itemsize, config.w_dtype in mxfp4_dtypes())
         k = api.triton_kernels()
         b = dict(beta=config.beta, linear_beta=config.linear_beta)
-        if config.w_dtype == MXFP4 and config.op == "grouped_matmul":
+        if config.w_dtype in mxfp4_dtypes() and config.op == "grouped_matmul":
             return lambda x, ws, gs: k.grouped_matmul_mxfp4(
-                x, ws[0].checkpoint_codes(), ws[0].scale_GKN, gs, config=t)
-        if config.w_dtype == MXFP4:
+                x, ws[0].packed_GNK, ws[0].scale_GKN, gs, config=t)
+        if config.w_dtype in mxfp4_dtypes():
             return lambda x, ws, gs: k.grouped_situ_glu_mxfp4(
-                x, ws[0].checkpoint_codes(), ws[0].scale_GKN, ws[1].checkpoint_codes(),
+                x, ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK,
                 ws[1].scale_GKN, gs, config=t, **b)
         if config.op == "grouped_matmul":
             return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
         return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)
-    if config.w_dtype == MXFP4:
+    if config.w_dtype in mxfp4_dtypes():
         return _mxfp4_launcher(config)
     return tune.launcher(config, tune.candidates(config)[0])
 

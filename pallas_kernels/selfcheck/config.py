@@ -2,7 +2,8 @@
 
 ``KernelConfig`` is (op, shapes, dtypes, tile config, backend): the launch's
 M x K x N over G groups, x's and the weights' dtype ("mxfp4" for packed
-MXFP4 weights), the tiling the backend's dispatch picks for that shape, the
+MXFP4 weights whose dequant is FAST, "mxfp4-exact" for EXACT ones: the
+Mosaic backends run different kernels for them), the tiling the backend's dispatch picks for that shape, the
 resolved backend, and the SiTU betas of the fused ops. ``name`` is its
 printable form (the selfcheck table, the warning lines and
 K3JAX_SELFCHECK_PERTURB use it).
@@ -28,7 +29,14 @@ from pallas_kernels.backend import describe_devices
 
 OPS = ("grouped_matmul", "grouped_situ_glu", "situ_mlp_up")
 CHECKED_BACKENDS = ("pallas", "interpret", "triton")
-MXFP4 = "mxfp4"   # w_dtype of packed MXFP4 weights
+MXFP4 = "mxfp4"   # w_dtype of packed MXFP4 weights, dequant FAST
+MXFP4_EXACT = "mxfp4-exact"   # w_dtype of packed MXFP4 weights, dequant EXACT
+
+
+def mxfp4_dtypes() -> dict:
+    """{w_dtype name: pallas_kernels.mxfp4.Mxfp4Dequant} of packed MXFP4 weights."""
+    from pallas_kernels.mxfp4 import Mxfp4Dequant
+    return {MXFP4: Mxfp4Dequant.FAST, MXFP4_EXACT: Mxfp4Dequant.EXACT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +44,8 @@ class KernelConfig:
     """One kernel configuration.
 
     op: one of OPS; m, k, n, groups: x [m, k] times weights [groups, k, n]
-    (situ_mlp_up: groups 1); x_dtype / w_dtype: dtype names (w_dtype MXFP4 for
-    packed weights); tiles: the tiling's printable form (``tiles_of``);
+    (situ_mlp_up: groups 1); x_dtype / w_dtype: dtype names (w_dtype MXFP4 or
+    MXFP4_EXACT for packed weights, by their dequant); tiles: the tiling's printable form (``tiles_of``);
     backend: one of CHECKED_BACKENDS; beta / linear_beta: the SiTU betas of
     the fused ops (None for grouped_matmul).
     """
@@ -97,7 +105,9 @@ def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype
         from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
         return describe_tiles("triton", default_tiles(m, groups, num_weights,
                                                       jnp.dtype(x_dtype).itemsize,
-                                                      w_dtype == MXFP4))
+                                                      w_dtype in (MXFP4, MXFP4_EXACT)))
+    if w_dtype == MXFP4_EXACT:   # EXACT weights: the exact row-major kernel
+        return "mxfp4 exact row_major"
     if w_dtype == MXFP4:   # the Mosaic MXFP4 dispatch (mxfp4_vjp.kernel_module)
         from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab
         block_t = mosaic_sm90_mxfp4_swap_ab.block_t_for(m, groups, num_weights)
@@ -118,11 +128,14 @@ def grouped_config(op: str, x_MK, w_GKN, backend: str, beta: float | None = None
                    linear_beta: float | None = None) -> KernelConfig:
     """The KernelConfig of a grouped launch (x_MK [M, K], w_GKN [G, K, N] array
     or Mxfp4Weights; only shapes and dtypes are read: tracers are fine)."""
-    from pallas_kernels.mxfp4 import Mxfp4Weights
+    from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
     m, k = x_MK.shape
     groups, _, n = w_GKN.shape
-    w_dtype = MXFP4 if isinstance(w_GKN, Mxfp4Weights) else jnp.dtype(w_GKN.dtype).name
+    if isinstance(w_GKN, Mxfp4Weights):
+        w_dtype = MXFP4 if w_GKN.dequant is Mxfp4Dequant.FAST else MXFP4_EXACT
+    else:
+        w_dtype = jnp.dtype(w_GKN.dtype).name
     x_dtype = jnp.dtype(x_MK.dtype).name
     return KernelConfig(op=op, m=m, k=k, n=n, groups=groups, x_dtype=x_dtype, w_dtype=w_dtype,
                         tiles=tiles_of(op, m, k, n, groups, x_dtype, w_dtype, backend),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.check import run_check
-from pallas_kernels.selfcheck.config import MXFP4, KernelConfig, describe_tiles, positive_env
+from pallas_kernels.selfcheck.config import KernelConfig, describe_tiles, mxfp4_dtypes, positive_env
 
 TUNE_ENV = "K3JAX_AUTOTUNE"
 REPEATS_ENV = "K3JAX_TUNE_REPEATS"
@@ -52,7 +52,7 @@ def candidates(config: KernelConfig) -> list[dict]:
     there is nothing to tune."""
     from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
 
-    if config.backend not in ("pallas", "interpret") or config.w_dtype == MXFP4 or config.m == 0:
+    if config.backend not in ("pallas", "interpret") or config.w_dtype in mxfp4_dtypes() or config.m == 0:
         return []
     op, m, k, n, groups, num_weights, dtype = table_key(config)
     own = tile_choice.lookup(op, m, k, n, groups, num_weights, dtype, tuned=False)[1]

@@ -3,7 +3,8 @@ packed E2M1 codes + UE8M0 scales, bf16 WGMMA, in GPU interpret mode against
 float64 products of the same decoded codes, x's gradient, the dispatch, and
 the sm_90a compile (deviceless, ptxas) at K3 shapes. Through the grouped
 ops, the small launches here take the swap-AB kernel
-(test_kernels_mxfp4_swap_ab.py) and its exact fallback, this kernel's.
+(test_kernels_mxfp4_swap_ab.py) for FAST weights and this kernel's exact one
+for EXACT weights (the static Mxfp4Weights.dequant).
 
 Measured on the shared 2-core machine: the interpret tests ~10-20 s each
 (most of it tracing/compiling the interpreted kernel), the four sm_90a
@@ -34,9 +35,9 @@ from pallas_kernels import (
     mxfp4_words,
 )
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
-from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 from pallas_kernels.grouped_matmul import mxfp4_dequant
-from pallas_kernels.mxfp4 import Mxfp4Weights, dequant
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, dequant
+from pallas_kernels.selfcheck import gate
 
 pytestmark = pytest.mark.tiers(slow=["test_x_gradient_through_the_kernel_matches_float32"])
 
@@ -46,9 +47,9 @@ SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 
 def _decode_kernel(n: int, path: str = "exact"):
     """A one-CTA kernel decoding one K step: packed [n, 64] (weight rows by
-    code bytes) and scales [4, n] (TMA to SMEM) -> the decoded bf16 [n, 128]
-    tile (to HBM), by mk.dequant_tile (path "exact") or mk.fast_dequant_tile
-    ("fast")."""
+    code bytes, the word layout) and scales [4, n] (TMA to SMEM) -> the
+    decoded bf16 [n, 128] tile (to HBM, mxfp4_dequant.k_order's columns), by
+    mk.dequant_tile (path "exact") or mk.fast_dequant_tile ("fast")."""
     def body(p_gmem, s_gmem, o_gmem):
         @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((n, 64), jnp.uint8),
                            s_smem=plgpu.SMEM((4, n), jnp.uint8),
@@ -60,7 +61,7 @@ def _decode_kernel(n: int, path: str = "exact"):
             plgpu.barrier_wait(p_bar)
             plgpu.barrier_wait(s_bar)
             if path == "exact":
-                mk.dequant_tile(p_smem, s_smem, w_smem, n)
+                mk.dequant_tile(p_smem, s_smem, w_smem, n, interpret=True)
             else:
                 mk.fast_dequant_tile(p_smem, s_smem, w_smem, n, interpret=True)
             plgpu.commit_smem()
@@ -77,25 +78,46 @@ def _decode_kernel(n: int, path: str = "exact"):
 def test_in_kernel_decode_is_the_codec_bit_for_bit():
     """Every (low, high) code pair and every scale byte 0..255: bf16-subnormal
     results flushed to signed zeros, the largest finite values, overflow to
-    inf, byte 255 to NaN; rows in the kernel's K order (even K, then odd).
-    (The exact kernel's dequant_tile: what a launch with any scale byte
-    outside FAST_SCALES runs.)"""
+    inf, byte 255 to NaN. The codes go in in the word layout, as held; the
+    tile comes out in mxfp4_dequant.k_order, the fast kernel's. (The exact
+    kernel's dequant_tile: what EXACT weights run.)"""
     n = 256
     # byte (j + 3 col) mod 256 at [j, col]: all 256 bytes (every code pair) in each scale block
     packed = ((np.arange(64)[:, None] * 5 + 3 * np.arange(n)[None, :]) % 256).astype(np.uint8)
     scale = np.stack([np.roll(np.arange(256, dtype=np.uint8), 61 * r) for r in range(4)])
-    got = np.asarray(jax.jit(_decode_kernel(n))(np.ascontiguousarray(packed.T), scale)
-                     .astype(F32)).T                          # [128, n]: K (kernel order), n
-    want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), F32, axis=0))
-    want = want.reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n)   # even K, then odd
-    assert np.array_equal(want, kc.decode_mxfp4_gkn(packed[None], scale[None])[0]
-                          .reshape(64, 2, n).transpose(1, 0, 2).reshape(128, n), equal_nan=True)
+    words = mxfp4_words.interleave_words(np.ascontiguousarray(packed.T))       # [n, 64]
+    got = np.asarray(jax.jit(_decode_kernel(n))(words, scale).astype(F32))     # [n, 128]
+    want_kn = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), F32, axis=0))
+    assert np.array_equal(want_kn, kc.decode_mxfp4_gkn(packed[None], scale[None])[0],
+                          equal_nan=True)
+    want = np.asarray(mxfp4_dequant.k_order(jnp.asarray(want_kn.T)))           # [n, 128]
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
     assert nan.sum() == 4 * 32 and np.isinf(want).any()
     assert (np.signbit(want) & (want == 0)).any()                  # flushed negatives
     assert np.abs(want[~nan & ~np.isinf(want)]).max() == np.float32(1.5 * 2.0 ** 127)
+
+
+def test_code_bits_piece_holds_each_code_where_code_bits_puts_it():
+    """mxfp4_dequant.code_bits_piece (the emulation interpret mode runs of
+    CODE_BITS_SEQUENCE) on random words: column 8j + 2l + L of word w's
+    piece is code_bits of K element 32l + 8w + 2j + L's checkpoint code."""
+    rng = np.random.default_rng(3)
+    packed = rng.integers(0, 256, (64, 64), dtype=np.uint8)                    # checkpoint bytes
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(64, 128).astype(np.int32)
+    want_all = np.asarray(mxfp4_dequant.code_bits(jnp.asarray(mxfp4_dequant.k_order(
+        jnp.asarray(codes)))))
+    words = jnp.asarray(mxfp4_words.interleave_words(packed))
+
+    class Ref:   # code_bits_piece reads ref[...]
+        shape = words.shape
+
+        def __getitem__(self, _):
+            return words
+    for w in range(4):
+        got = np.asarray(mxfp4_dequant.code_bits_piece(Ref(), w, interpret=True))
+        np.testing.assert_array_equal(got, want_all[:, 32 * w: 32 * w + 32], err_msg=f"word {w}")
 
 
 def test_fast_decode_is_the_codec_on_every_fast_pair():
@@ -137,6 +159,7 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     sizes = kc.group_pattern(pattern, m, g)
     x = kc.poison_tail(x, sizes)                # NaN rows past sum(sizes) must not leak
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
+    assert wg.dequant is Mxfp4Dequant.EXACT     # the exact kernel
     dg, du = kc.decode_mxfp4_gkn(pg, sg), kc.decode_mxfp4_gkn(pu, su)
     tol = kc.kernel_tol(dtype)
     y = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"))(x, wg, sizes)
@@ -149,16 +172,20 @@ def test_kernel_matches_float64_of_the_decoded_codes(case, dtype):
 
 @pytest.mark.parametrize("dtype", [BF16, tiers.slow(F32)], ids=["bf16", "f32"])
 def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
-    """Every scale byte in FAST_SCALES: the row-major launch (called
-    directly: the dispatch takes the swap-AB kernel at this size) runs the
-    fast kernel (mk.needs_exact is False) and matches the float64 products."""
+    """Every scale byte in FAST_SCALES: the weights are FAST (from_checkpoint
+    reads it off the bytes; one byte 129 would make them EXACT), the
+    row-major launch (called directly: the dispatch takes the swap-AB
+    kernel at this size) runs the fast kernel and matches the float64
+    products."""
     m, k, n, g = 70, 256, 72, 4
     rng = np.random.default_rng(11)
     (pg, sg), (pu, su) = (kc.random_mxfp4(rng, g, k, n, lo=112, hi=129) for _ in range(2))
     sg[..., ::5] = rng.integers(2, 8, sg[..., ::5].shape)       # the smallest fast scales
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su)))
-    assert not bool(mk.needs_exact([wg.scale_GKN, wu.scale_GKN]))
-    assert bool(mk.needs_exact([wg.scale_GKN, jnp.asarray(su).at[0, 0, 0].set(129)]))
+    assert wg.dequant is wu.dequant is Mxfp4Dequant.FAST and mk.all_fast([wg, wu])
+    su_129 = su.copy()
+    su_129[0, 0, 0] = 129
+    assert kc.mxfp4_from_kn(pu, su_129).dequant is Mxfp4Dequant.EXACT
     x = kc.normal(jax.random.key(3), (m, k), dtype, scale=0.1)
     sizes = kc.group_pattern("sum_lt_m", m, g)
     x = kc.poison_tail(x, sizes)
@@ -221,39 +248,60 @@ def test_x_gradient_through_the_kernel_matches_float32():
         kc.assert_close(got, want, kc.TOL_F32_KERNEL, what)
 
 
+def _kernel_names(jaxpr) -> list[str]:
+    """The Mosaic GPU kernels ``jaxpr`` launches (their names), sub-jaxprs
+    included (cond branches, scan and custom_vjp bodies)."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "mpmd_map":   # one Mosaic GPU kernel
+            names.append(eqn.params["name"])
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names += _kernel_names(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names += _kernel_names(sub)
+    return names
+
+
 def test_dispatch():
-    """MXFP4 on "pallas"/"interpret" -> a Mosaic kernel (the swap-AB one,
-    or this row-major one where its tiles read the weights fewer times: the
-    fused product past 48 rows a group), "xla" -> the blocked path;
-    float16 x on the kernel is a clear error naming the dtype."""
-    calls = []
-    originals = {mod: mod._call if mod is sw else mod._mxfp4_call for mod in (mk, sw)}
-
-    def spy(mod):
-        def call(x_MK, weights, group_sizes_G, **kwargs):
-            calls.append((mod.__name__.rsplit(".", 1)[1], len(weights), kwargs["interpret"]))
-            return originals[mod](x_MK, weights, group_sizes_G, **kwargs)
-        return call
-
-    w = Mxfp4Weights(jax.ShapeDtypeStruct((2, 64, 32), jnp.uint8),
-                     jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8))
+    """MXFP4 on "pallas" -> one Mosaic kernel a launch, chosen at trace time
+    by the weights' static dequant (no branch holding two): FAST weights the
+    swap-AB fast kernel, or the row-major fast one where its tiles read the
+    weights fewer times (the fused product past 48 rows a group); EXACT
+    weights, or a pair with one, the row-major exact kernel at every size.
+    "xla" -> the blocked path; float16 x on the kernel is a clear error
+    naming the dtype; a dequant that is not an Mxfp4Dequant is named."""
+    fast, exact = (Mxfp4Weights(jax.ShapeDtypeStruct((2, 64, 32), jnp.uint8),
+                                jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8), d)
+                   for d in (Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT))
     s = jax.ShapeDtypeStruct((2,), jnp.int32)
-    try:
-        mk._mxfp4_call, sw._call = spy(mk), spy(sw)
-        for m in (16, 1024):   # block_t_for: 24 rows a tile; 128 plain, None fused
-            x = jax.ShapeDtypeStruct((m, 64), BF16)
-            for backend in ("interpret", "xla"):
-                jax.eval_shape(lambda x, w, s: grouped_matmul(x, w, s, backend=backend), x, w, s)
-                jax.eval_shape(lambda x, w, s: grouped_situ_glu(x, w, w, s, backend=backend,
-                                                                **SITU), x, w, s)
-    finally:
-        mk._mxfp4_call, sw._call = originals[mk], originals[sw]
-    swap_ab, row_major = "mosaic_sm90_mxfp4_swap_ab", "mosaic_sm90_mxfp4"
-    assert calls == [(swap_ab, 1, True), (swap_ab, 2, True),
-                     (swap_ab, 1, True), (row_major, 2, True)], calls
+
+    def kernels(w_gate, w_up, m, backend="pallas"):   # traced only: nothing runs
+        x = jax.ShapeDtypeStruct((m, 64), BF16)
+        with gate.collecting():
+            plain = jax.make_jaxpr(lambda x, w, s: grouped_matmul(x, w, s, backend=backend))(
+                x, w_gate, s)
+            fused = jax.make_jaxpr(lambda x, a, b, s: grouped_situ_glu(
+                x, a, b, s, backend=backend, **SITU))(x, w_gate, w_up, s)
+        return _kernel_names(plain.jaxpr), _kernel_names(fused.jaxpr)
+
+    # block_t_for: 24 rows a tile at 16 rows; at 1024: 128 plain, None (row-major) fused
+    assert kernels(fast, fast, 16) == (["grouped_matmul_mxfp4_swap_ab_t24"],
+                                       ["grouped_situ_glu_mxfp4_swap_ab_t24"])
+    assert kernels(fast, fast, 1024) == (["grouped_matmul_mxfp4_swap_ab_t128"],
+                                         ["grouped_situ_glu_mxfp4_m64"])
+    for m in (16, 1024):
+        assert kernels(exact, exact, m) == (["grouped_matmul_mxfp4_exact_m64"],
+                                            ["grouped_situ_glu_mxfp4_exact_m64"])
+        assert kernels(fast, exact, m)[1] == ["grouped_situ_glu_mxfp4_exact_m64"]
+    assert kernels(exact, exact, 16, backend="xla") == ([], [])
     with pytest.raises(ValueError, match="bfloat16 or float32 x, got float16"):
         jax.eval_shape(lambda x, w, s: grouped_matmul(x, w, s, backend="interpret"),
-                       jax.ShapeDtypeStruct((1024, 64), jnp.float16), w, s)
+                       jax.ShapeDtypeStruct((1024, 64), jnp.float16), fast, s)
+    with pytest.raises(ValueError, match="dequant must be an Mxfp4Dequant, got 'fast'"):
+        Mxfp4Weights(fast.packed_GNK, fast.scale_GKN, "fast")
 
 
 def test_plan_fits_smem_at_k3_shapes():

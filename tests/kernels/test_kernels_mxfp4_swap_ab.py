@@ -25,20 +25,22 @@ import tiers
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 from pallas_kernels.grouped_matmul import mxfp4_vjp
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
 
 
 def _run_both(x, sizes, pairs, config):
-    """(plain y, fused h) of this kernel's dispatchers in interpret mode."""
+    """(plain y, fused h) of this kernel's dispatchers in interpret mode, and
+    the weights' dequant (Mxfp4Weights.from_checkpoint reads it off the bytes)."""
     wg, wu = (kc.mxfp4_from_kn(p, s) for p, s in pairs)
+    dequant = {wg.dequant, wu.dequant}
     y = jax.jit(lambda x, w, s: sw.grouped_matmul_mxfp4(x, w, s, config=config,
                                                         interpret=True))(x, wg, sizes)
     h = jax.jit(lambda x, a, b, s: sw.grouped_situ_glu_mxfp4(
         x, a, b, s, config=config, interpret=True, **SITU))(x, wg, wu, sizes)
-    return y, h
+    return y, h, dequant
 
 
 # (m, k, n, g, pattern, block_t): block_t None is block_t_for's choice; 8
@@ -58,12 +60,12 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     rng = np.random.default_rng(m + n)
     pairs = [kc.random_mxfp4(rng, g, k, n, 112, 129) for _ in range(2)]
     pairs[0][1][..., ::5] = rng.integers(2, 8, pairs[0][1][..., ::5].shape)
-    assert not bool(mk.needs_exact([jnp.asarray(s) for _, s in pairs]))
     x = kc.normal(jax.random.key(m), (m, k), dtype, scale=0.1)
     sizes = kc.group_pattern(pattern, m, g)
     x = kc.poison_tail(x, sizes)
     config = None if block_t is None else sw.Mxfp4SwapABConfig(block_t=block_t)
-    y, h = _run_both(x, sizes, pairs, config)
+    y, h, dequant = _run_both(x, sizes, pairs, config)
+    assert dequant == {Mxfp4Dequant.FAST}
     assert y.dtype == dtype and y.shape == (m, n) and h.shape == (m, n)
     dg, du = (kc.decode_mxfp4_gkn(p, s) for p, s in pairs)
     tol = kc.kernel_tol(dtype)
@@ -72,18 +74,19 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(case, dtype):
 
 
 def test_extreme_scales_take_the_exact_kernel():
-    """Scale bytes outside FAST_SCALES (0, 1, 129..254) anywhere: the launch
-    runs mosaic_sm90_mxfp4's exact row-major kernel and still matches."""
+    """Scale bytes outside FAST_SCALES (0, 1, 129..254) anywhere: the weights
+    are EXACT, the launch runs mosaic_sm90_mxfp4's exact row-major kernel
+    (on the word layout, in place) and still matches."""
     m, k, n, g = 24, 128, 64, 3
     rng = np.random.default_rng(7)
     pairs = [kc.random_mxfp4(rng, g, k, n, 118, 130) for _ in range(2)]
     pairs[0][1][..., ::7] = rng.integers(0, 4, pairs[0][1][..., ::7].shape)
     pairs[1][1][0, 0, 0] = 200
-    assert bool(mk.needs_exact([jnp.asarray(s) for _, s in pairs]))
     x = kc.normal(jax.random.key(4), (m, k), BF16, scale=0.1)
     sizes = kc.group_pattern("sum_lt_m", m, g)
     x = kc.poison_tail(x, sizes)
-    y, h = _run_both(x, sizes, pairs, None)
+    y, h, dequant = _run_both(x, sizes, pairs, None)
+    assert dequant == {Mxfp4Dequant.EXACT}
     dg, du = (kc.decode_mxfp4_gkn(p, s) for p, s in pairs)
     tol = kc.kernel_tol(BF16)
     kc.assert_grouped_output(y, kc.np_grouped_matmul(x, dg, sizes), sizes, tol, "plain")
@@ -112,7 +115,7 @@ def test_dispatch_takes_the_kernel_with_fewer_weight_reads():
     product at prefill."""
     def w(g):
         return Mxfp4Weights(jax.ShapeDtypeStruct((g, 3072, 1792), jnp.uint8),
-                            jax.ShapeDtypeStruct((g, 112, 3072), jnp.uint8))
+                            jax.ShapeDtypeStruct((g, 112, 3072), jnp.uint8), Mxfp4Dequant.FAST)
     decode, prefill = (jax.ShapeDtypeStruct((m, 3584), BF16) for m in (256, 65536))
     assert mxfp4_vjp.kernel_module(decode, w(112), 2) is sw
     assert mxfp4_vjp.kernel_module(prefill, w(112), 1) is sw
@@ -122,7 +125,7 @@ def test_dispatch_takes_the_kernel_with_fewer_weight_reads():
 def test_bad_input_is_named():
     """float16 x names the dtype; a block_t the tile cannot hold names it."""
     w = Mxfp4Weights(jax.ShapeDtypeStruct((2, 64, 32), jnp.uint8),
-                     jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8))
+                     jax.ShapeDtypeStruct((2, 2, 64), jnp.uint8), Mxfp4Dequant.FAST)
     s = jax.ShapeDtypeStruct((2,), jnp.int32)
     with pytest.raises(ValueError, match="bfloat16 or float32 x, got float16"):
         jax.eval_shape(lambda x, w, s: sw.grouped_matmul_mxfp4(x, w, s, interpret=True),

@@ -4,10 +4,12 @@
 at decode (16 and 256 tokens x top-16 = 256 and 4096 rows) and prefill
 (4096 tokens = 65536 rows).
 
-Every configuration compiles to two kernels (the fast one: the swap-AB
-kernel at decode, the row-major one at prefill; and the exact row-major
-fallback), each with 0 spill bytes (the fused tile's SiTU epilogue stages the
-gate products through SMEM to get there). The four are
+Every configuration compiles to two kernels, the op on the same codes
+declared FAST and EXACT in one program (benchmarks/compile_table.mxfp4_both):
+the fast one (the swap-AB kernel at decode, the row-major one at prefill)
+and the exact row-major one EXACT weights run, each with 0 spill bytes
+(the fused tile's SiTU epilogue stages the gate products through SMEM to
+get there). The six are
 benchmarks/compile_table.py's MXFP4 configurations (the grouped ops' MXFP4
 dispatch), compiled once per test run (tests/compile_cache.py) and held to the
 golden register file by tests/test_aot_kernels.py.
@@ -15,6 +17,7 @@ golden register file by tests/test_aot_kernels.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -29,6 +32,7 @@ from compile_cache import kernel_reports
 from benchmarks import compile_table
 from pallas_kernels import mxfp4_fast
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
+from pallas_kernels.grouped_matmul import mxfp4_dequant
 
 pytestmark = pytest.mark.compile
 
@@ -67,9 +71,9 @@ FAST_WEIGHTS = {"row_major": {1: 128 * 128, 2: 2 * 128 * 128},
 @pytest.mark.parametrize("phase", list(TOKENS))
 @pytest.mark.parametrize("op", list(SHAPES))
 def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
-    """Two kernels a launch: the fast one (swap-AB at decode, row-major at
-    prefill) and the exact row-major one it falls back on for weights with a
-    scale byte outside FAST_SCALES."""
+    """Two kernels a configuration: the fast one (swap-AB at decode,
+    row-major at prefill) and the exact row-major one for EXACT weights
+    (a scale byte outside FAST_SCALES)."""
     found = kernel_reports(f"{op}_mxfp4 ep=8 tokens={TOKENS[phase]}")
     base = "grouped_situ_glu" if op == "gate_up_situ" else "grouped_matmul"
     num_w = SHAPES[op][2]
@@ -97,22 +101,26 @@ def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
     assert fast.nested_trips == () and dict(fast.by_opcode)["HMUL2"] == fast_weights // 256, fast
 
 
-def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
-    """PTX of grouped_matmul_mxfp4's fast kernel compiled deviceless for sm_90a."""
+@functools.cache
+def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> dict[str, str]:
+    """PTX of grouped_matmul_mxfp4's fast and exact kernels ({"fast", "exact"}),
+    both compiled deviceless for sm_90a in one program (the same codes
+    declared FAST and EXACT)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from k3jax.aot import h200_mesh, ptxas_dump
     from k3jax.layout import ParallelConfig
     from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4
-    from pallas_kernels.mxfp4 import Mxfp4Weights
+    from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
     mesh = h200_mesh(ParallelConfig())
     specs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in
              [((m, k), jnp.bfloat16), ((g, n, k // 2), jnp.uint8), ((g, k // 32, n), jnp.uint8),
               ((g,), jnp.int32)]]
 
     def fn(x, packed, scale, sizes):
-        return mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x, Mxfp4Weights(packed, scale), sizes)
+        return tuple(mosaic_sm90_mxfp4.grouped_matmul_mxfp4(x, Mxfp4Weights(packed, scale, d), sizes)
+                     for d in (Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT))
 
     with ptxas_dump():  # the wheel's ptxas; MOSAIC_GPU_DUMP_TO is ours below
         folder = tempfile.mkdtemp(prefix="k3jax-mxfp4-ptx-")
@@ -122,8 +130,10 @@ def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
                     jax.default_device(mesh.devices.flat[0]):
                 jax.jit(fn).lower(*specs).compile()
-            [ptx] = [p for p in Path(folder).glob("*.ptx") if "_exact_" not in p.name]
-            return ptx.read_text()
+            ptx = {("exact" if "_exact_" in p.name else "fast"): p.read_text()
+                   for p in Path(folder).glob("*.ptx")}
+            assert len(list(Path(folder).glob("*.ptx"))) == 2, list(Path(folder).iterdir())
+            return ptx
         finally:
             os.environ.pop("MOSAIC_GPU_DUMP_TO")
             if saved is not None:
@@ -131,10 +141,13 @@ def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> str:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _sequence_regex(sequence, key: str) -> re.Pattern:
-    """mxfp4_fast's PTX lines for ``sequence`` in order, its $N operands as
-    the registers LLVM substitutes."""
-    lines = mxfp4_fast.ptx_lines(sequence, mxfp4_fast.INPUTS[key], mxfp4_fast.OUTPUTS[key])
+def _sequence_regex(sequence, key: str | None = None, inputs=(), outputs=()) -> re.Pattern:
+    """mxfp4_fast's PTX lines for ``sequence`` in order (its INPUTS / OUTPUTS
+    under ``key``, or ``inputs`` / ``outputs``), its $N operands as the
+    registers LLVM substitutes."""
+    if key is not None:
+        inputs, outputs = mxfp4_fast.INPUTS[key], mxfp4_fast.OUTPUTS[key]
+    lines = mxfp4_fast.ptx_lines(sequence, inputs, outputs)
     parts = [re.sub(r"\\\$\d+", r"%r\\d+", re.escape(line)) for line in lines]
     return re.compile(r"\s*".join(parts))
 
@@ -144,7 +157,20 @@ def test_kernel_ptx_holds_the_fast_sequence():
     rows x 4 words, run mxfp4_fast.SEQUENCE (16 times), and 2 x 2 rows
     SCALE_SEQUENCE (one scale block a thread's row); no exact dequant in the
     fast kernel (its float32 flush compare, setp.lt.f32, is absent)."""
-    ptx = _mxfp4_ptx(64, 256, 128, 2)
+    ptx = _mxfp4_ptx(64, 256, 128, 2)["fast"]
     assert len(_sequence_regex(mxfp4_fast.SEQUENCE, "SEQUENCE").findall(ptx)) == 16
     assert len(_sequence_regex(mxfp4_fast.SCALE_SEQUENCE, "SCALE_SEQUENCE").findall(ptx)) == 4
     assert "mul.rn.bf16x2" in ptx and "setp.lt.f32" not in ptx
+
+
+def test_exact_kernel_ptx_reads_the_word_layout_in_place():
+    """The exact kernel (EXACT weights) reads the codes in the word layout:
+    each thread runs mxfp4_dequant.CODE_BITS_SEQUENCE (the fast sequence's
+    bit permutation, no scale multiply) on each of its 2 rows x 4 words of
+    each 64-row chunk: 2 chunks x 2 x 4 = 16 times a K step; then the exact
+    float32 decode (its flush compare, setp.lt.f32), no bf16x2 multiply."""
+    ptx = _mxfp4_ptx(64, 256, 128, 2)["exact"]
+    pattern = _sequence_regex(mxfp4_dequant.CODE_BITS_SEQUENCE, inputs=("q",),
+                              outputs=tuple(f"{x}{j}" for j in range(4) for x in "lh"))
+    assert len(pattern.findall(ptx)) == 16
+    assert "setp.lt.f32" in ptx and "mul.rn.bf16x2" not in ptx

@@ -34,6 +34,7 @@ from kernel_cases import BETA, LINEAR_BETA, group_pattern, grouped_inputs, poiso
 from pallas_kernels.grouped_matmul import reference, triton_sm80  # noqa: E402
 from pallas_kernels.grouped_matmul.schedule import work_items_4W  # noqa: E402
 from pallas_kernels.mxfp4 import dequant  # noqa: E402
+from pallas_kernels.mxfp4_words import interleave_words  # noqa: E402
 
 
 def dequant_GKN(packed_GNH, scale_GSN):
@@ -44,13 +45,13 @@ def dequant_GKN(packed_GNH, scale_GSN):
 
 
 def mxfp4_weights(seed: int, g: int, k: int, n: int):
-    """Random MXFP4 weight as the kernels take it: (packed uint8 [g, n, k/2],
-    scales uint8 [g, k/32, n], decoded float32 [g, k, n]); scale bytes
-    120..130 keep values O(1)."""
+    """Random MXFP4 weight as the kernels take it: (packed uint8 [g, n, k/2]
+    in the word layout, scales uint8 [g, k/32, n], decoded float32 [g, k, n]
+    of the checkpoint codes); scale bytes 120..130 keep values O(1)."""
     rng = np.random.default_rng(seed)
     packed_GNH = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
     scale_GSN = rng.integers(120, 131, (g, k // 32, n), dtype=np.uint8)
-    return packed_GNH, scale_GSN, dequant_GKN(packed_GNH, scale_GSN)
+    return interleave_words(packed_GNH), scale_GSN, dequant_GKN(packed_GNH, scale_GSN)
 
 
 def run_decode_case(case: dict) -> dict[str, np.ndarray]:
@@ -66,8 +67,8 @@ def run_decode_case(case: dict) -> dict[str, np.ndarray]:
     sizes = np.array([k], np.int32)
     meta_4W = np.asarray(work_items_4W(jnp.asarray(sizes), k, launch.tiles.block_m))
     out = torch.full((k, n), float("nan"), dtype=torch.float32)
-    args = [torch.from_numpy(np.array(a)) for a in (np.eye(k, dtype=np.float32), packed, scale,
-                                                      meta_4W)]
+    args = [torch.from_numpy(np.array(a)) for a in (np.eye(k, dtype=np.float32),
+                                                      interleave_words(packed), scale, meta_4W)]
     launch.kernel[launch.grid](*args, out, **launch.constexprs)
     return {"out": out.numpy(), "ref": np.asarray(dense[0]), "sizes": sizes,
             "block_m": np.int32(launch.tiles.block_m)}
