@@ -12,18 +12,17 @@ for every larger count); consecutive equal picks are merged.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
+from analysis import table_writer
 from analysis.layer_latency import CHOICES, LAYERS, TIE_REL, AutoRow, hardware, sweep
 from k3jax.config import K3, K3Config
 
 COMMAND = "python -m analysis.write_overlap_table"
-TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "k3jax", "shared_overlap_table.py")
-TOKEN_GRID = tuple(2 ** i for i in range(15))          # 1 .. 16384
+TABLE_PATH = os.path.join(table_writer.K3JAX, "shared_overlap_table.py")
+TOKEN_GRID = table_writer.TOKEN_GRID
 LAYOUTS = ((2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1))
 """(tp, dp): every SP + EP layout of one 8-GPU node with tp >= 2."""
 
@@ -85,22 +84,11 @@ def render(table: dict[tuple[str, int, int], list[AutoRow]], cfg: K3Config = K3)
 
 def write(path: str = TABLE_PATH, log=print) -> str:
     """Run the model over every tabulated layout and write the table to ``path``."""
-    t0 = time.perf_counter()
-    source = render(picks(log=log))
-    with open(path, "w") as f:
-        f.write(source)
-    log(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
-    return source
+    return table_writer.write_timed(path, lambda: render(picks(log=log)), log)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=TABLE_PATH, help="where to write (default: the committed table)")
-    args = p.parse_args(argv)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        p.error(f"--out {args.out}: the folder does not exist")
-    write(args.out)
-    return 0
+    return table_writer.main(write, __doc__.split("\n\n")[0], TABLE_PATH, argv)
 
 
 if __name__ == "__main__":

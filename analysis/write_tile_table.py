@@ -15,7 +15,6 @@ all named in the table's header.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -23,7 +22,7 @@ import time
 
 import jax.numpy as jnp
 
-from analysis import kernel_cost
+from analysis import kernel_cost, table_writer
 from analysis.tile_search import TARGETS, SearchTargets, best_grouped_config, best_mlp_config
 from k3jax.config import K3, TINY, K3Config
 from pallas_kernels.grouped_matmul import tile_choice
@@ -185,20 +184,13 @@ def write(path: str = TABLE_PATH, inputs: TableInputs = INPUTS, targets: SearchT
         t1 = time.perf_counter()
         entries[key] = search(key, targets)
         log(f"{key}: {entries[key]['kernel']} ({time.perf_counter() - t1:.1f} s)")
-    with open(path, "w") as f:
-        f.write(render(entries, inputs, targets))
+    table_writer.write_source(path, render(entries, inputs, targets))
     log(f"wrote {len(entries)} rows to {path} in {time.perf_counter() - t0:.0f} s")
     return entries
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=TABLE_PATH, help="where to write (default: the committed table)")
-    args = p.parse_args(argv)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        p.error(f"--out {args.out}: the folder does not exist")
-    write(args.out)
-    return 0
+    return table_writer.main(write, __doc__.split("\n\n")[0], TABLE_PATH, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import numpy as np
 
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, reference
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
 BETA, LINEAR_BETA = 4.0, 25.0
 SITU = {"beta": BETA, "linear_beta": LINEAR_BETA}
@@ -123,18 +123,22 @@ class GroupedCase:
 
 def dequant_GKN(packed_GNH, scale_GSN):
     """MXFP4 [G, N, K/2] + [G, K/32, N] -> bf16 [G, K, N] (dequant along K)."""
-    return Mxfp4Weights(packed_GNH, scale_GSN).dequantize(DTYPE)
+    return Mxfp4Weights(packed_GNH, scale_GSN, Mxfp4Dequant.EXACT).dequantize(DTYPE)
 
 
-def mxfp4_fn(op: str, backend: str) -> Callable:
+def mxfp4_fn(op: str, backend: str, dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> Callable:
     """f(x, *(packed, scale) per weight, group_sizes) on "triton", "xla" (XLA
     decode + ragged_dot) or "pallas" / "interpret" (mosaic_sm90_mxfp4.py's
-    in-kernel decode, through the grouped ops' MXFP4 dispatch)."""
+    in-kernel decode, through the grouped ops' MXFP4 dispatch, of weights
+    declared ``dequant``: FAST, what real checkpoints and these benchmarks'
+    random scale bytes allow, runs the fast kernels; EXACT the exact one)."""
     if backend in ("pallas", "interpret"):
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: grouped_situ_glu(
-                x, Mxfp4Weights(gp, gs), Mxfp4Weights(up, us), s, backend=backend, **SITU)
-        return lambda x, p, sc, s: grouped_matmul(x, Mxfp4Weights(p, sc), s, backend=backend)
+                x, Mxfp4Weights(gp, gs, dequant), Mxfp4Weights(up, us, dequant), s,
+                backend=backend, **SITU)
+        return lambda x, p, sc, s: grouped_matmul(x, Mxfp4Weights(p, sc, dequant), s,
+                                                  backend=backend)
     if backend == "xla":
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: reference.grouped_situ_glu(

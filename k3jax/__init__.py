@@ -18,8 +18,8 @@ import importlib
 _EXPORTS = {
     "k3jax.config": ("K3", "PRESETS", "TINY", "TINY_GROUPED", "K3Config", "from_hf_config",
                      "preset"),
-    "k3jax.parallel_config": ("DATA", "MESH_AXES", "TENSOR", "ParallelConfig", "SharedOverlap",
-                              "abstract_mesh", "make_mesh"),
+    "k3jax.parallel_config": ("DATA", "MESH_AXES", "NODE", "TENSOR", "EpDispatch", "ParallelConfig",
+                              "SharedOverlap", "abstract_mesh", "make_mesh"),
     "k3jax.layout": ("ExpertStorage", "Layout", "LayoutError", "MlpLayout", "MlpMode", "MoEMode",
                      "Mxfp4ShardError", "make_layout", "mlp_layout", "padded_moe_intermediate"),
     "k3jax.modules": ("AbstractSource", "KimiMLP", "KimiMoE", "ParamSource", "RandomSource",

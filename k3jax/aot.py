@@ -30,7 +30,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from k3jax.kernel_sass import DEQUANT_KERNELS, KStepSass, NoKStepLoop, disassemble, k_step_count
-from k3jax.layout import MESH_AXES, ParallelConfig
+from k3jax.layout import MESH_AXES, ParallelConfig, make_mesh
 from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
 
 TARGET_FILE = Path(__file__).parent / "targets" / "h200.txtpb"
@@ -75,15 +75,18 @@ def pin_wheel_ptxas() -> Path:
 
 
 @functools.lru_cache(maxsize=8)
-def h200_topology(num_devices: int):
-    """``num_devices`` compile-only H200 devices in one process (one host)."""
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+def h200_topology(num_devices: int, nodes: int = 1):
+    """``num_devices`` compile-only H200 devices on ``nodes`` hosts of
+    num_devices / nodes each (topology "1 x nodes x per-node"; a device's
+    ``process_index`` is its host)."""
+    if num_devices < 1 or nodes < 1 or num_devices % nodes:
+        raise ValueError(f"num_devices must be a positive multiple of nodes, got {num_devices} "
+                         f"over {nodes}")
     from jax.experimental import topologies
     pin_wheel_ptxas()
     try:
         return topologies.get_topology_desc(platform="cuda", target_config=h200_target_config(),
-                                            topology=f"1x1x{num_devices}")
+                                            topology=f"1x{nodes}x{num_devices // nodes}")
     except (NotImplementedError, RuntimeError, ValueError) as e:
         raise GpuCompileUnavailable(
             f"cannot compile for CUDA here ({type(e).__name__}: {str(e).splitlines()[0]}); "
@@ -91,9 +94,12 @@ def h200_topology(num_devices: int):
 
 
 def h200_mesh(parallel: ParallelConfig) -> Mesh:
-    """The (data, tensor) mesh of ``parallel`` over compile-only H200 devices
-    (Auto axis types, as ``k3jax.layout.make_mesh``)."""
-    devices = h200_topology(parallel.num_devices).devices
+    """The mesh of ``parallel`` over compile-only H200 devices, one host a
+    node (``k3jax.layout.make_mesh``: Auto axis types; over several nodes
+    NODE outermost, each node's devices those of one host)."""
+    devices = h200_topology(parallel.num_devices, parallel.nodes).devices
+    if parallel.nodes > 1:
+        return make_mesh(parallel, devices)
     return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2,
                          devices=devices)
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,9 +55,10 @@ from k3jax.config import K3Config
 from k3jax.hlo_schedule import ScheduledCollective, collective_schedule, collective_table
 from k3jax.kernel_ptxas import PeerKernel, grouped_launches, tokamax_peer_reports
 from k3jax.kernel_sass import DEQUANT_KERNELS
-from k3jax.layout import ExpertStorage, Layout, ParallelConfig, make_layout
+from k3jax.layout import NODE, ExpertStorage, Layout, ParallelConfig, make_layout
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.plan import EXPERT_DTYPES, WEIGHT_DTYPES, model_bytes, plan_layer_bytes
+from pallas_kernels.mxfp4 import Mxfp4Dequant
 from pallas_kernels.selfcheck import gate
 
 BACKENDS = ("xla", "pallas")
@@ -86,6 +88,12 @@ class CompileReport:
     bytes_accessed: float
     compile_seconds: float
     hlo_text: str = dataclasses.field(repr=False, compare=False)
+    collective_axes: tuple[tuple[str, ...], ...] = ()   # the mesh axes each collective spans
+
+    def axes_of_collectives(self) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes each collective spans, in schedule order (crossing
+        nodes exactly when NODE is among them)."""
+        return self.collective_axes or tuple(() for _ in self.collectives)
 
     @property
     def needed_bytes(self) -> int:
@@ -103,8 +111,12 @@ class CompileReport:
             "layer": self.layer, "kind": "moe" if self.cfg.is_moe_layer(self.layer) else "dense",
             "tokens": self.tokens, "backend": self.backend, "dtype": self.dtype,
             "expert_dtype": self.expert_dtype,
+            "mxfp4_dequant": None if lay.mxfp4_dequant is None else lay.mxfp4_dequant.value,
             "layout": {**dataclasses.asdict(self.parallel),
                        "shared_overlap": self.parallel.shared_overlap.value,
+                       "ep_dispatch": self.parallel.ep_dispatch.value,
+                       "ep_dispatch_resolved": lay.ep_dispatch.value,
+                       "mesh": dict(self.parallel.axis_sizes),
                        "overlap_forms": lay.overlap_forms(),
                        "shared_overlaps_routed": lay.shared_overlaps_routed},
             "per_device_bytes": dict(self.per_device_bytes),
@@ -113,7 +125,9 @@ class CompileReport:
             "fit": {"model_weight_bytes": self.model_weight_bytes,
                     "needed_bytes": self.needed_bytes,
                     "device_memory_bytes": self.device_memory_bytes},
-            "collectives": collective_table(list(self.collectives)),
+            "collectives": [{**row, "axes": list(axes), "crosses_nodes": NODE in axes}
+                            for row, axes in zip(collective_table(list(self.collectives)),
+                                                 self.axes_of_collectives())],
             "kernels": [self._kernel_dict(k) for k in self.kernels],
             "peer_kernels": [_peer_dict(p) for p in self.peer_kernels],
             "flops": self.flops,
@@ -223,29 +237,34 @@ class AbstractLayer:
 
 
 def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
-                   backend: str, dtype: str, expert_dtype: str) -> AbstractLayer:
+                   backend: str, dtype: str, expert_dtype: str,
+                   mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> AbstractLayer:
     """Check the arguments (ValueError) and build layer ``layer`` abstractly for
     ``tokens`` global rows on the compile-only H200 mesh; layout errors raise
     ``k3jax.layout.LayoutError``."""
     _check(cfg, layer, backend, dtype, expert_dtype)
     return layer_on_mesh(cfg, parallel, layer, h200_mesh(parallel), tokens=tokens,
-                         backend=backend, dtype=dtype, expert_dtype=expert_dtype)
+                         backend=backend, dtype=dtype, expert_dtype=expert_dtype,
+                         mxfp4_dequant=mxfp4_dequant)
 
 
 def layer_on_mesh(cfg: K3Config, parallel: ParallelConfig, layer: int,
                   mesh: Mesh | AbstractMesh, *, tokens: int, backend: str, dtype: str,
-                  expert_dtype: str) -> AbstractLayer:
+                  expert_dtype: str, mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST
+                  ) -> AbstractLayer:
     """Layer ``layer`` built on ``mesh`` with abstract weights (nothing
     allocated) and the input spec for ``tokens`` global rows; the Layout
     resolved for ``tokens`` (Layout.for_tokens). MoE layers keep MXFP4
-    experts packed when ``expert_dtype`` is "mxfp4". What ``compile``,
+    experts packed when ``expert_dtype`` is "mxfp4", their scale bytes
+    assumed to allow ``mxfp4_dequant`` (abstract weights hold no bytes:
+    FAST, the case of real checkpoints, unless told). What ``compile``,
     ``selfcheck`` and the Triton report trace."""
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
                else ExpertStorage.DENSE)
     layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
-                         dtype=jnp.dtype(dtype))
+                         dtype=jnp.dtype(dtype), mxfp4_dequant=mxfp4_dequant)
     module = build_layer(layout, layer, mesh, source=AbstractSource())
     spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
     x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
@@ -278,13 +297,14 @@ def planner_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype:
 
 def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                   backend: str = "xla", dtype: str = "bfloat16", expert_dtype: str = "mxfp4",
-                  compiler_options: dict | None = None) -> CompileReport:
+                  compiler_options: dict | None = None,
+                  mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> CompileReport:
     """Compile layer ``layer``'s forward on ``tokens`` global rows for
     ``parallel.num_devices`` H200s (module docstring). Layout errors raise
     ``k3jax.layout.LayoutError``; bad arguments ValueError; a missing CUDA
     plugin or ptxas ``k3jax.aot.GpuCompileUnavailable``."""
     built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
-                           expert_dtype=expert_dtype)
+                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant)
     options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
     mesh, layout, x_TD = built.mesh, built.layout, built.x_TD
     graph, state = nnx.split(built.module)
@@ -304,15 +324,32 @@ def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens
     per_device = compiled_bytes(compiled, shard_bytes(x_TD))
     planner, model = planner_bytes(cfg, parallel, layer, dtype=dtype, expert_dtype=expert_dtype)
     text = compiled.as_text()
+    schedule = tuple(collective_schedule(text))
     flops, bytes_accessed = _cost(compiled)
     return CompileReport(cfg=cfg, parallel=parallel, layout=layout, layer=layer, tokens=tokens,
                          backend=backend, dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=per_device,
                          planner_weight_bytes=planner, model_weight_bytes=model,
                          device_memory_bytes=target_summary()["device_memory_bytes"],
-                         collectives=tuple(collective_schedule(text)), kernels=kernels,
+                         collectives=schedule, kernels=kernels,
                          peer_kernels=peers,
                          flops=flops, bytes_accessed=bytes_accessed, compile_seconds=seconds,
-                         hlo_text=text)
+                         hlo_text=text,
+                         collective_axes=tuple(collective_mesh_axes(c, mesh) for c in schedule))
 
 
-__all__ = ["BACKENDS", "BYTE_KINDS", "CompileReport", "compile_layer", "target_summary"]
+def collective_mesh_axes(c: ScheduledCollective, mesh: Mesh) -> tuple[str, ...]:
+    """The axes of ``mesh`` along which one replica group of ``c`` varies,
+    in mesh order: those the HLO names (less any of size 1, which join no
+    two devices), or, from the group's device ids, every axis on which two
+    of its devices' mesh coordinates differ."""
+    if c.group_axes:
+        return tuple(a for a in mesh.axis_names if a in c.group_axes and mesh.shape[a] > 1)
+    where = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
+    coords = np.array([where[d] for d in c.group_devices if d in where])
+    if len(coords) < 2:
+        return ()
+    return tuple(a for i, a in enumerate(mesh.axis_names) if len(set(coords[:, i])) > 1)
+
+
+__all__ = ["BACKENDS", "BYTE_KINDS", "CompileReport", "collective_mesh_axes", "compile_layer",
+           "target_summary"]

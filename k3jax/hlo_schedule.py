@@ -38,7 +38,10 @@ import dataclasses
 import math
 import re
 
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+import numpy as np
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
+                    "ragged-all-to-all")
 
 # Ops that launch no work of their own.
 _BOOKKEEPING = frozenset({
@@ -100,6 +103,8 @@ class ScheduledCollective:
     op_name: str         # the jax metadata op_name (named scopes, for attribution)
     parts: int = 1       # operands XLA's combiner merged into this one collective
     compute_ops: tuple[ComputeOp, ...] = ()   # the ops counted in compute_between
+    group_devices: tuple[int, ...] = ()   # the device ids of one replica group (or ring)
+    group_axes: tuple[str, ...] = ()      # or its mesh axes, where the HLO names them
 
     def flops_between_in(self, scope: str) -> float:
         """FLOPs between start and done of ops whose op_name has the path
@@ -204,6 +209,42 @@ def _group_size(attrs: str, num_partitions: int) -> int:
         return _largest_component([tuple(map(int, pair)) for pair
                                    in re.findall(r"\{(\d+),(\d+)\}", m.group(1))])
     raise ValueError(f"no replica groups in collective attributes: {attrs[:200]!r}")
+
+
+def _one_group(attrs: str, num_partitions: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(device ids, mesh axis names) of the replica group holding the
+    lowest device, from any of XLA's spellings (one of the two is empty):
+    what a caller maps onto mesh axes (which axes the collective spans)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        axes = tuple(re.findall(r"'([^']+)'", m.group(2)))
+        return (), axes or tuple(re.findall(r"'([^']+)'=", m.group(1)))
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
+    if m:
+        shape = [int(d) for d in m.group(1).split(",")]
+        dims = [int(d) for d in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return tuple(int(i) for i in ids.reshape(shape[0], -1)[0]), ()
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\})?", attrs)
+    if m:
+        if not m.group(1):
+            return tuple(range(num_partitions)), ()
+        return tuple(int(i) for i in m.group(1).strip("{}").split(",") if i), ()
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if m:
+        pairs = [tuple(map(int, pair)) for pair in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        ring = {min(d for pair in pairs for d in pair)} if pairs else set()
+        grew = True
+        while grew:      # the connected set of pairs through the lowest device: one ring
+            grew = False
+            for a, b in pairs:
+                if (a in ring) != (b in ring):
+                    ring |= {a, b}
+                    grew = True
+        return tuple(sorted(ring)), ()
+    return (), ()
 
 
 def _largest_component(pairs: list[tuple[int, int]]) -> int:
@@ -334,7 +375,11 @@ def collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
         kind = _collective_kind(instr, comps)
         if kind is None or kind[1] == "done":
             continue
-        operand_bytes = sum(shape_bytes(shapes[o]) for o in instr.operands if o in shapes)
+        # a ragged all-to-all's operands are its input, its output buffer and
+        # four offset / size arrays: one collective of its input's bytes
+        ragged = kind[0] == "ragged-all-to-all"
+        operands = instr.operands[:1] if ragged else instr.operands
+        operand_bytes = sum(shape_bytes(shapes[o]) for o in operands if o in shapes)
         if kind[1] == "sync":
             result, between, is_async = instr.shape, [], False
         else:
@@ -346,12 +391,13 @@ def collective_schedule(hlo_text: str) -> list[ScheduledCollective]:
             is_async = not (_IS_SYNC.search(instr.attrs) or _IS_SYNC.search(done.attrs))
         ops = tuple(ComputeOp(i.name, i.opcode, _op_name(i.attrs), flops.of_instr(i),
                               _custom_target(i)) for i in between)
+        attrs = instr.attrs if instr.opcode != "async-start" else _wrapped_attrs(instr, comps)
+        devices, axes = _one_group(attrs, num_partitions)
         out.append(ScheduledCollective(
             kind=kind[0], name=instr.name, bytes=max(operand_bytes, shape_bytes(result)),
-            group=_group_size(instr.attrs if instr.opcode != "async-start"
-                              else _wrapped_attrs(instr, comps), num_partitions),
+            group=_group_size(attrs, num_partitions), group_devices=devices, group_axes=axes,
             is_async=is_async, compute_between=len(ops), flops_between=sum((o.flops for o in ops), 0.0),
-            op_name=_op_name(instr.attrs), parts=max(1, len(instr.operands)), compute_ops=ops))
+            op_name=_op_name(instr.attrs), parts=max(1, len(operands)), compute_ops=ops))
     return out
 
 

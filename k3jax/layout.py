@@ -3,23 +3,38 @@ padding rule (docs/spec.md §4 and §5), the kernel backend, the routed experts'
 and the dtype, in one ``Layout`` that the modules, the planner, ``compile``,
 the loader and the gradients read. None of them re-derives any of it.
 
-The mesh (axes ``DATA`` and ``TENSOR``, defined in k3jax.parallel_config and
-re-exported here) and the ParallelConfig come first; ``make_layout`` turns
-them, with the model config, into the Layout:
+The mesh (axes ``DATA`` and ``TENSOR``, with ``NODE`` outermost over several
+nodes, defined in k3jax.parallel_config and re-exported here) and the
+ParallelConfig come first; ``make_layout`` turns them, with the model config,
+into the Layout:
 
     backend   resolved once from the mesh's devices ("auto": pallas on a
               Hopper GPU, triton on other CUDA GPUs >= sm_80 with jax-triton,
               xla elsewhere; pallas_kernels.backend). A layout made without
               devices (no mesh, or an AbstractMesh: planning, abstract
               modules) resolves "auto" to "xla".
-    experts   ExpertStorage: DENSE, MXFP4 (packed in device memory) or
-              MXFP4_DEQUANT (MXFP4 in the checkpoint, dequantized at load).
+    experts   ExpertStorage (k3jax.expert_storage, with the padding rule);
               make_layout raises Mxfp4ShardError when packed MXFP4 cannot be
               split this way.
+    mxfp4_dequant  packed MXFP4 experts only (None otherwise): the in-kernel
+              dequantization their scale bytes allow (Mxfp4Dequant: FAST
+              when every stored byte is in 2..128, else EXACT), static for
+              the compiled program. The loader reads it off the checkpoint's
+              bytes (agreed by every process); random weights
+              (RandomSource) are FAST by construction; abstract ones
+              (planning, ``k3jax compile``) take what the caller states,
+              FAST by default, the case of real checkpoints.
     dtype     the activations' and (non-MXFP4) weights' dtype.
+    ep_dispatch  under EP, how rows reach the experts (EpDispatch: one
+              gather, a gather staged over NODE then inside the node, or
+              the dropless ragged all-to-all); AUTO until ``for_tokens``.
+    ragged_emulated  whether ragged all-to-all runs as its CPU emulation
+              (k3jax.ragged_a2a): True exactly when the mesh's devices are
+              CPUs, where XLA does not implement the collective.
 
-Token rows are split over ``token_axes``: (DATA, TENSOR) under sequence
-parallelism, else (DATA,). The three layouts of an MLP and of the routed experts:
+Token rows are split over ``token_axes``: data_axes + (TENSOR,) under
+sequence parallelism, else data_axes ((DATA,), or (NODE, DATA) over several
+nodes). The three layouts of an MLP and of the routed experts:
 
     MlpMode.REPLICATED   full weights; each device runs its own rows; no collective
     MlpMode.SP_SHARDED   gate/up columns and down rows split over TENSOR;
@@ -39,12 +54,13 @@ all three forms.
     MoEMode.LOCAL        every expert whole on every device
     MoEMode.TP           each expert's intermediate split over TENSOR (padded);
                          the routed latent is summed before the RMSNorm
-    MoEMode.EP           whole experts over (DATA, TENSOR); no padding. Under
+    MoEMode.EP           whole experts over every axis; no padding. Under
                          sequence parallelism (or tp 1) rows are all-gathered
                          and the routed latent reduce-scattered over every
-                         axis; over plain TP rows stay replicated over TENSOR
-                         (all-gathered over DATA only) and the routed latent is
-                         reduce-scattered over DATA, then all-reduced over
+                         axis (or exchanged by ragged all-to-all); over plain
+                         TP rows stay replicated over TENSOR (all-gathered
+                         over the data axes only) and the routed latent is
+                         reduce-scattered over them, then all-reduced over
                          TENSOR together with the shared expert's TP partial
 """
 
@@ -57,15 +73,23 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
-from k3jax import shared_overlap_choice
+from k3jax import ep_dispatch_choice, shared_overlap_choice
 from k3jax.config import K3Config
+from k3jax.expert_storage import (
+    ExpertStorage,
+    Mxfp4ShardError,
+    check_mxfp4_shards,
+    padded_moe_intermediate,
+)
 from k3jax.mlp_placement import LayoutError, MlpLayout, MlpMode, mlp_layout
 from k3jax.parallel_config import (
     DATA,
     DEFAULT_SHARED_OVERLAP,
     MESH_AXES,
+    NODE,
     SHARD_SHARED_EXPERT_ENV,
     TENSOR,
+    EpDispatch,
     ParallelConfig,
     SharedOverlap,
     abstract_mesh,
@@ -74,50 +98,11 @@ from k3jax.parallel_config import (
     padded_rows,
 )
 from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
-from pallas_kernels.mxfp4 import BLOCK_SIZE
+from pallas_kernels.mxfp4 import Mxfp4Dequant
 
 
-class Mxfp4ShardError(LayoutError):
-    """Packed MXFP4 experts cannot be split this way (a shard would cut a
-    32-wide scale block); dense (dequantized) expert storage can."""
-
-
-class ExpertStorage(enum.Enum):
-    """How the routed experts' weights live in device memory.
-
-    DENSE          w1_ELF, w3_ELF, w2_EFL in the Layout's dtype (random values,
-                   or float experts read from a checkpoint)
-    MXFP4          uint8 codes + UE8M0 scales, packed along each weight's input
-                   axis (the codes [E, out, in/2] as the checkpoint stores them,
-                   the scales [E, in/32, out]); the grouped matmuls dequantize
-                   one active expert at a time
-    MXFP4_DEQUANT  MXFP4 in the checkpoint, dequantized to the Layout's dtype
-                   as it is loaded: in device memory exactly as DENSE
-    """
-
-    DENSE = "dense"
-    MXFP4 = "mxfp4"
-    MXFP4_DEQUANT = "mxfp4-dequant"
-
-    @property
-    def packed(self) -> bool:
-        """Are the experts held as packed MXFP4 codes and scales?"""
-        return self is ExpertStorage.MXFP4
-
-
-# --------------------------------------------------------------------------
-# The padding rule (docs/spec.md §5; the MLP gate, §4, is k3jax.mlp_placement)
-# --------------------------------------------------------------------------
-def padded_moe_intermediate(intermediate: int, shards: int, min_per_partition: int) -> int:
-    """docs/spec.md §5: the routed-expert intermediate after padding, for ``shards``
-    devices splitting each expert's intermediate (1 under EP). Each shard takes
-    ``intermediate // shards`` real columns, so ``shards`` must divide it."""
-    if intermediate % shards:
-        raise LayoutError(f"moe_intermediate_size {intermediate} is not divisible by the "
-                         f"{shards} devices splitting each expert's intermediate")
-    if shards > 1 and intermediate // shards < min_per_partition:
-        return min_per_partition * shards
-    return intermediate
+class EpDispatchError(LayoutError):
+    """An explicit ``--ep-dispatch`` form this layout cannot run."""
 
 
 # --------------------------------------------------------------------------
@@ -165,7 +150,10 @@ class Layout:
     padded_moe_intermediate: int
     backend: ResolvedBackend    # the kernels' backend, resolved from the mesh's devices
     experts: ExpertStorage      # how the routed experts live in device memory
+    mxfp4_dequant: Mxfp4Dequant | None   # packed experts' in-kernel dequant; None unless packed
     dtype: jnp.dtype            # activations and non-MXFP4 weights
+    ep_dispatch: EpDispatch     # under EP: how rows reach the experts (AUTO until for_tokens)
+    ragged_emulated: bool       # ragged all-to-all as its CPU emulation (CPU devices)
 
     # -- token rows --------------------------------------------------------
     @property
@@ -183,12 +171,14 @@ class Layout:
     # -- routed experts --------------------------------------------------------
     @property
     def expert_axes(self) -> tuple[str, ...]:
-        """Axes that hold different experts: under EP every axis of size > 1
-        ((DATA, TENSOR) when tp > 1, with or without sequence parallelism;
-        (DATA,) when tp is 1)."""
+        """Axes that hold different experts, outermost first: under EP the
+        data axes, and TENSOR when tp > 1 (with or without sequence
+        parallelism). Device i of them (row-major) holds experts
+        [i E_local, (i + 1) E_local), so node n holds a contiguous block."""
         if self.moe_mode is not MoEMode.EP:
             return ()
-        return MESH_AXES if self.parallel.tp > 1 else (DATA,)
+        data = self.parallel.data_axes
+        return (*data, TENSOR) if self.parallel.tp > 1 else data
 
     @property
     def local_experts(self) -> int:
@@ -237,11 +227,39 @@ class Layout:
         would keep the no-op collectives)."""
         if self.moe_mode is MoEMode.EP:
             if self.dispatch is Dispatch.ALL_REDUCE:
-                return (DATA,) if self.parallel.dp > 1 else ()
+                return self.parallel.data_axes if self.parallel.dp > 1 else ()
             return self.expert_axes if self.parallel.ep > 1 else ()
         if self.moe_mode is MoEMode.TP and self.parallel.sequence_parallel:
             return (TENSOR,)
         return ()
+
+    @property
+    def dispatch_stages(self) -> tuple[tuple[str, ...], ...]:
+        """The all-gathers of the routed rows, in order (the reduce-scatters
+        of the latent run them backwards): one stage over ``dispatch_axes``
+        (EpDispatch.GATHER, and every non-EP layout), or NODE first and then
+        the axes inside the node (HIERARCHICAL). () when there is nothing to
+        exchange or the rows move by all-to-all instead. Gathering over NODE
+        first puts row blocks in (inside-node position, node) order; the
+        staged reduce-scatter undoes exactly that order."""
+        axes = self.dispatch_axes
+        if not axes or self.ep_dispatch is EpDispatch.ALL_TO_ALL:
+            return ()
+        if self.ep_dispatch is EpDispatch.HIERARCHICAL:
+            inside = tuple(a for a in axes if a != NODE)
+            return ((NODE,), inside) if inside else ((NODE,),)
+        return (axes,)
+
+    @property
+    def exchange_axes(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """EpDispatch.ALL_TO_ALL: (axes between nodes, axes inside a node)
+        of its two ragged stages, either () when that stage has one device
+        (one node; one device a node)."""
+        axes = self.dispatch_axes
+        between = tuple(a for a in axes if a == NODE)
+        inside = tuple(a for a in axes if a != NODE
+                       and self.parallel.axis_sizes[a] > 1)
+        return between, inside
 
     # -- overlap contract -------------------------------------------------------
     @property
@@ -274,17 +292,40 @@ class Layout:
         - plain TP (and EP over plain TP): its partial sum rides in the routed
           path's all-reduce (one all-reduce for both), fused rather than
           overlapped; False.
-        - SharedOverlap.AUTO: True when every form the table picks for this
-          (tp, dp) is (the table's generator admits only those).
+        - SP-sharded with a token-side form (NONE, RING) under
+          EpDispatch.ALL_TO_ALL: XLA runs most of the ragged all-to-alls
+          synchronously and the ring beside rather than under them, 4 of its
+          14 permutes synchronous with nothing under them (2 x 8 H200, 256
+          and 8192 tokens, tests/test_aot_nodes.py); False;
+        - SharedOverlap.AUTO or EpDispatch.AUTO: True when every combination
+          the tables pick for this layout is (the shared-form table's
+          generator admits only those).
         """
         mode = self.shared_mlp.mode
         if mode is MlpMode.SP_SHARDED:
-            if self.shared_mlp.overlap is SharedOverlap.AUTO:   # every form it can pick
-                return all(self.for_tokens(t).shared_overlaps_routed
-                           for t in shared_overlap_choice.first_tokens(
-                               self.parallel.tp, self.parallel.dp))
+            if self.shared_mlp.overlap is SharedOverlap.AUTO or self._dispatch_undecided:
+                return all(self.for_tokens(t).shared_overlaps_routed for t in self._pick_points())
+            if self.shared_mlp.overlap is SharedOverlap.WEIGHTS:
+                return True
+            if self.moe_mode is MoEMode.EP and self.ep_dispatch is EpDispatch.ALL_TO_ALL:
+                return False
             return self.shared_mlp.overlap is not SharedOverlap.NONE or self.parallel.dp == 1
         return mode is not MlpMode.TP
+
+    @property
+    def _dispatch_undecided(self) -> bool:
+        """EpDispatch.AUTO on a layout whose rows it moves (EP over > 1 device)."""
+        return (self.ep_dispatch is EpDispatch.AUTO and self.moe_mode is MoEMode.EP
+                and self.parallel.ep > 1)
+
+    def _pick_points(self) -> tuple[int, ...]:
+        """Token counts at which an AUTO choice of this layout can change: the
+        entries of the shared-form and EP-dispatch tables it reads."""
+        par = self.parallel
+        points = set(shared_overlap_choice.first_tokens(par.tp, par.dp))
+        if self._dispatch_undecided:
+            points |= set(ep_dispatch_choice.first_tokens(par.ep, par.nodes))
+        return tuple(sorted(points))
 
     def for_tokens(self, tokens: int) -> Layout:
         """This layout for ``tokens`` global tokens: SharedOverlap.AUTO in the
@@ -294,9 +335,24 @@ class Layout:
         The modules, the planner and ``compile`` call it with their static T."""
         shared = self.shared_mlp.for_tokens(tokens, self.dtype)
         dense = self.dense_mlp.for_tokens(tokens, self.dtype)
-        if shared is self.shared_mlp and dense is self.dense_mlp:
+        dispatch = self._dispatch_for_tokens(tokens, shared)
+        if shared is self.shared_mlp and dense is self.dense_mlp and dispatch is self.ep_dispatch:
             return self
-        return dataclasses.replace(self, shared_mlp=shared, dense_mlp=dense)
+        return dataclasses.replace(self, shared_mlp=shared, dense_mlp=dense, ep_dispatch=dispatch)
+
+    def _dispatch_for_tokens(self, tokens: int, shared: MlpLayout) -> EpDispatch:
+        """EpDispatch.AUTO -> the committed table's form for (ep, nodes,
+        tokens) (k3jax.ep_dispatch_choice), among the forms this layout
+        admits (``_check_ep_dispatch``); a concrete form stays."""
+        par = self.parallel
+        if self.ep_dispatch is not EpDispatch.AUTO or self.moe_mode is not MoEMode.EP or par.ep == 1:
+            return self.ep_dispatch          # concrete, or nothing to decide (read only under EP)
+        form = EpDispatch(ep_dispatch_choice.pick(par.ep, par.nodes, tokens))
+        if form is EpDispatch.ALL_TO_ALL and _all_to_all_refusal(self, shared):
+            form = EpDispatch.HIERARCHICAL
+        if form is EpDispatch.HIERARCHICAL and (par.nodes == 1 or self.moe_mode is not MoEMode.EP):
+            form = EpDispatch.GATHER
+        return form
 
     def overlap_forms(self) -> dict[str, str]:
         """The forms in force (JSON of run / plan / compile / bench): the shared
@@ -315,14 +371,20 @@ class Layout:
                  f"routed experts: {self.moe_mode.value}, {self.local_experts} per device, "
                  f"intermediate {self.cfg.moe_intermediate_size} -> padded "
                  f"{self.padded_moe_intermediate} over {self.expert_shards} shard(s)",
-                 f"routed dispatch: {self.dispatch.value}",
+                 f"routed dispatch: {self.dispatch.value}"
+                 + (f", rows by {self.ep_dispatch.value}" if self.moe_mode is MoEMode.EP else "")
+                 + (" (emulated: XLA:CPU has no ragged all-to-all)"
+                    if self.ep_dispatch is EpDispatch.ALL_TO_ALL and self.ragged_emulated else ""),
                  f"shared expert may overlap routed work: {self.shared_overlaps_routed}"]
+        if self.mxfp4_dequant is not None:
+            lines.append(f"MXFP4 experts' dequant: {self.mxfp4_dequant.value}")
         return "\n".join(lines)
 
 
 def make_layout(cfg: K3Config, parallel: ParallelConfig,
                 mesh: Mesh | AbstractMesh | None = None, *, backend: Backend = "auto",
-                experts: ExpertStorage = ExpertStorage.DENSE, dtype=jnp.float32) -> Layout:
+                experts: ExpertStorage = ExpertStorage.DENSE, dtype=jnp.float32,
+                mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> Layout:
     """Decide every placement and build choice of one K3 layer on a (dp, tp)
     mesh, with clear errors for what the mesh cannot hold.
 
@@ -333,6 +395,8 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig,
     with MoE layers) would cut a 32-wide scale block."""
     if not isinstance(experts, ExpertStorage):
         raise ValueError(f"make_layout: experts must be an ExpertStorage, got {experts!r}")
+    if not isinstance(mxfp4_dequant, Mxfp4Dequant):
+        raise ValueError(f"make_layout: mxfp4_dequant must be an Mxfp4Dequant, got {mxfp4_dequant!r}")
     if mesh is not None:
         check_mesh(mesh, parallel, "make_layout")
     devices = list(mesh.devices.flat) if isinstance(mesh, Mesh) else None
@@ -353,30 +417,51 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig,
     padded = padded_moe_intermediate(cfg.moe_intermediate_size, padding_shards,
                                      cfg.min_moe_intermediate_per_partition)
     if experts.packed and cfg.num_moe_layers:
-        _check_mxfp4_shards(cfg, shards, padded)
-    return Layout(cfg=cfg, parallel=parallel,
-                  dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size,
-                                       layer_kind="dense"),
-                  shared_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.shared_intermediate_size,
-                                        layer_kind="moe"),
-                  moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
-                  backend=resolved, experts=experts, dtype=jnp.dtype(dtype))
+        check_mxfp4_shards(cfg, shards, padded)
+    layout = Layout(cfg=cfg, parallel=parallel,
+                    dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size,
+                                         layer_kind="dense"),
+                    shared_mlp=mlp_layout(parallel, cfg.hidden_size,
+                                          cfg.shared_intermediate_size, layer_kind="moe"),
+                    moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
+                    backend=resolved, experts=experts,
+                    mxfp4_dequant=mxfp4_dequant if experts.packed else None,
+                    dtype=jnp.dtype(dtype),
+                    ep_dispatch=parallel.ep_dispatch,
+                    ragged_emulated=bool(devices) and devices[0].platform == "cpu")
+    _check_ep_dispatch(layout)
+    return layout
 
 
-def _check_mxfp4_shards(cfg: K3Config, shards: int, padded: int) -> None:
-    """Packed codes and scales run along each weight's input axis (L for w1/w3,
-    F for w2), so the latent width and each shard's intermediate, real and
-    padded, must be whole 32-wide scale blocks."""
-    L, I = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
-    for what, width in (("latent width", L), ("per-shard intermediate", I // shards),
-                        ("padded per-shard intermediate", padded // shards)):
-        if width % BLOCK_SIZE:
-            raise Mxfp4ShardError(f"MXFP4 packed experts need the {what} ({width}) to be a "
-                                  f"multiple of {BLOCK_SIZE}; store the experts dequantized instead")
+def _all_to_all_refusal(layout: Layout, shared: MlpLayout) -> str | None:
+    """Why EpDispatch.ALL_TO_ALL cannot run in ``layout`` (with the shared
+    expert ``shared``), or None when it can."""
+    if layout.moe_mode is not MoEMode.EP:
+        return "needs --expert-parallel"
+    if layout.dispatch is not Dispatch.OWN_ROWS:
+        return ("needs each device to own its rows (--sequence-parallel, or tp 1): over plain "
+                "TP the rows are replicated on the tensor axis")
+    if shared.mode is MlpMode.SP_SHARDED and shared.overlap is SharedOverlap.WEIGHTS:
+        return "does not combine with --shared-overlap weights (its body gathers the rows)"
+    return None
 
 
-__all__ = ["DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
+def _check_ep_dispatch(layout: Layout) -> None:
+    """LayoutError for an explicit EpDispatch the layout cannot run."""
+    form, par = layout.ep_dispatch, layout.parallel
+    if form in (EpDispatch.AUTO, EpDispatch.GATHER):
+        return
+    if layout.moe_mode is not MoEMode.EP:
+        raise EpDispatchError(f"--ep-dispatch {form.value} needs --expert-parallel")
+    if form is EpDispatch.HIERARCHICAL and par.nodes == 1:
+        raise EpDispatchError("--ep-dispatch hierarchical needs --nodes > 1 (on one node it is "
+                              "the plain gather)")
+    if form is EpDispatch.ALL_TO_ALL and (why := _all_to_all_refusal(layout, layout.shared_mlp)):
+        raise EpDispatchError(f"--ep-dispatch all-to-all {why}")
+
+
+__all__ = ["NODE", "EpDispatch", "DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
            "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
            "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError",
-           "Mxfp4ShardError", "ExpertStorage"]
+           "Mxfp4ShardError", "EpDispatchError", "ExpertStorage"]

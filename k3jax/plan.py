@@ -35,9 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config
+from k3jax.ep_exchange import exchange_buffer_rows
 from k3jax.layout import (
+    NODE,
     TENSOR,
     Dispatch,
+    EpDispatch,
     ExpertStorage,
     Layout,
     MlpLayout,
@@ -160,7 +163,8 @@ class Collective:
     buffer (all-gather output, reduce-scatter input, all-reduce array) and
     ``bytes`` its size; ``group`` the number of devices taking part."""
 
-    kind: str                   # "all-gather" | "reduce-scatter" | "all-reduce" | "collective-permute"
+    kind: str                   # "all-gather" | "reduce-scatter" | "all-reduce" |
+                                # "collective-permute" | "ragged-all-to-all"
     axes: tuple[str, ...]
     group: int
     what: str
@@ -176,15 +180,23 @@ class Collective:
         """Bytes each device sends, as a ring algorithm moves them:
         (g - 1) / g of the buffer for an all-gather or reduce-scatter,
         2 (g - 1) / g for an all-reduce, the whole block for a
-        collective-permute (one block to one neighbour)."""
+        collective-permute (one block to one neighbour); for a ragged
+        all-to-all, whose buffer is sized for the worst case, (g - 1) / g of
+        it: the most it can send (what it sends depends on the routing)."""
         g = self.group
         if self.kind == "collective-permute":
             return self.bytes
         factor = 2 if self.kind == "all-reduce" else 1
         return factor * (g - 1) * self.bytes // g
 
+    @property
+    def crosses_nodes(self) -> bool:
+        """Does it run over the node axis, i.e. on the inter-node link?"""
+        return NODE in self.axes
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "axis": "+".join(self.axes), "axes": list(self.axes),
+                "crosses_nodes": self.crosses_nodes,
                 "group": self.group, "what": self.what, "shape": list(self.shape),
                 "dtype": self.dtype, "bytes": self.bytes, "wire_bytes": self.wire_bytes}
 
@@ -207,13 +219,16 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
       dp > 1 the same three all-gathers and one reduce-scatter over DATA
       (``dispatch_axes``); then one float32 all-reduce of [rows, L + D] over TENSOR.
     EP on one device has no ``dispatch_axes``, so it issues (and lists) none.
+    Rows gathered by EpDispatch.HIERARCHICAL list each all-gather once per
+    stage (NODE, then inside the node) and the reduce-scatter backwards;
+    EpDispatch.ALL_TO_ALL lists ``exchange_collectives`` instead.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     layout = layout.for_tokens(tokens)
     cfg, par = layout.cfg, layout.parallel
     D, L, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts_per_token
-    sizes = {"data": par.dp, TENSOR: par.tp}
+    sizes = par.axis_sizes
     local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
     act = str(layout.dtype)
     out: list[Collective] = []
@@ -221,15 +236,18 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
     weights_form = shared.mode is MlpMode.SP_SHARDED and shared.overlap is SharedOverlap.WEIGHTS
     if weights_form:
         out.append(sp_sharded_mlp_collectives(shared, local_rows, act, "shared-expert")[0])
-    axes = layout.dispatch_axes
-    if axes:
+    if layout.dispatch_axes and layout.ep_dispatch is EpDispatch.ALL_TO_ALL:
+        out += exchange_collectives(layout, local_rows)
+    rows, scatters = local_rows, []
+    for axes in layout.dispatch_stages:
         group = math.prod(sizes[a] for a in axes)
-        rows = local_rows * group
+        rows *= group
         out += [Collective("all-gather", axes, group, "latent rows", (rows, L), act),
                 Collective("all-gather", axes, group, "top-k expert ids", (rows, K), "int32"),
                 Collective("all-gather", axes, group, "top-k weights", (rows, K), "float32")]
-        out.append(Collective("reduce-scatter", axes, group, "routed latent (partial sums)",
-                              (rows, L), "float32"))
+        scatters.insert(0, Collective("reduce-scatter", axes, group,
+                                      "routed latent (partial sums)", (rows, L), "float32"))
+    out += scatters
     if layout.dispatch is Dispatch.ALL_REDUCE:
         out.append(Collective("all-reduce", (TENSOR,), par.tp,
                               "routed latent + shared-expert partial sums",
@@ -241,6 +259,61 @@ def moe_collectives(layout: Layout, tokens: int) -> list[Collective]:
         out += sp_sharded_mlp_collectives(layout.shared_mlp, local_rows, act, "shared-expert")
     elif layout.shared_mlp.mode is not MlpMode.REPLICATED:
         raise AssertionError(f"shared expert mode {layout.shared_mlp.mode} under moe_rows_local")
+    return out
+
+
+def exchange_collectives(layout: Layout, local_rows: int) -> list[Collective]:
+    """The collectives of EpDispatch.ALL_TO_ALL (k3jax.ep_exchange) for
+    ``local_rows`` own rows, in program order, each ragged buffer at its
+    worst-case rows (``exchange_buffer_rows``): per stage (A between nodes,
+    B inside a node; a stage of one device is skipped) an all-gather of the
+    [n] send counts, then the rows (activation dtype), their top-k ids and
+    weights; after the experts, the float32 latent back through B, then A."""
+    cfg, par = layout.cfg, layout.parallel
+    L, K = cfg.routed_expert_hidden_size, cfg.num_experts_per_token
+    between, inside = layout.exchange_axes
+    G = par.ep // par.nodes
+    buffers = exchange_buffer_rows(local_rows, par.nodes, G)
+    act = str(layout.dtype)
+    out, back = [], []
+    for stage, axes, n, rows in (("A", between, par.nodes, buffers["stage_a_recv"]),
+                                 ("B", inside, G, buffers["stage_b_recv"])):
+        if not axes:
+            continue
+        out += [Collective("all-gather", axes, n, f"stage {stage} send counts", (n, n), "int32"),
+                Collective("ragged-all-to-all", axes, n, f"stage {stage} latent rows", (rows, L), act),
+                Collective("ragged-all-to-all", axes, n, f"stage {stage} top-k expert ids",
+                           (rows, K), "int32"),
+                Collective("ragged-all-to-all", axes, n, f"stage {stage} top-k weights",
+                           (rows, K), "float32")]
+        back.insert(0, Collective("ragged-all-to-all", axes, n,
+                                  f"stage {stage} routed latent back (float32 sums)",
+                                  (rows, L), "float32"))
+    return out + back
+
+
+def dispatch_buffer_bytes(layout: Layout, tokens: int) -> dict[str, int]:
+    """Per-device bytes of the routed rows' exchange buffers for ``tokens``
+    global tokens: the gathered rows (latent, ids, weights) and the float32
+    latent of the gather forms, or the ragged all-to-all's send and receive
+    buffers sized for the worst case (dropless: no row can overflow them).
+    {} when rows are not exchanged."""
+    layout = layout.for_tokens(tokens)
+    cfg, par = layout.cfg, layout.parallel
+    L, K = cfg.routed_expert_hidden_size, cfg.num_experts_per_token
+    act = np.dtype(layout.dtype).itemsize
+    local_rows = padded_rows(tokens, layout.row_shards) // layout.row_shards
+    row_bytes = L * act + K * 4 * 2          # latent row + int32 ids + float32 weights
+    if not layout.dispatch_axes:
+        return {}
+    if layout.ep_dispatch is not EpDispatch.ALL_TO_ALL:
+        rows = local_rows * math.prod(par.axis_sizes[a] for a in layout.dispatch_axes)
+        return {"gathered_rows": rows * row_bytes, "routed_latent_float32": rows * L * 4}
+    out = {}
+    for name, rows in exchange_buffer_rows(local_rows, par.nodes, par.ep // par.nodes).items():
+        if rows:
+            out[f"{name}_rows"] = rows * row_bytes
+            out[f"{name}_latent_float32"] = rows * L * 4
     return out
 
 
@@ -302,6 +375,7 @@ class Plan:
     per_layer_bytes: dict[str, dict[str, int]]
     collectives: tuple[Collective, ...]
     comparisons: dict[str, int]
+    dispatch_buffers: dict[str, int]
 
     @property
     def padded_moe_intermediate_size(self) -> int:
@@ -311,7 +385,9 @@ class Plan:
         par, lay = self.parallel, self.layout
         return {
             "source": self.source,
-            "parallel": {"dp": par.dp, "tp": par.tp, "sequence_parallel": par.sequence_parallel,
+            "parallel": {"dp": par.dp, "tp": par.tp, "nodes": par.nodes,
+                         "ep_dispatch": par.ep_dispatch.value,
+                         "sequence_parallel": par.sequence_parallel,
                          "expert_parallel": par.expert_parallel, "ep": par.ep,
                          "shard_shared_expert": par.shard_shared_expert,
                          "pad_under_ep": par.pad_under_ep,
@@ -323,6 +399,8 @@ class Plan:
                        "routed_experts": lay.moe_mode.value, "local_experts": lay.local_experts,
                        "expert_shards": lay.expert_shards,
                        "token_axes": list(lay.token_axes),
+                       "mesh": dict(par.axis_sizes),
+                       "ep_dispatch": lay.ep_dispatch.value,
                        "shared_overlaps_routed": lay.shared_overlaps_routed},
             "dtypes": {"weights": self.dtype, "routed_experts": self.expert_dtype,
                        "router_bias": "float32", "activations": self.dtype},
@@ -335,6 +413,7 @@ class Plan:
             "padded_moe_intermediate_size": self.padded_moe_intermediate_size,
             "tokens": self.tokens,
             "collectives": [c.to_dict() for c in self.collectives],
+            "dispatch_buffer_bytes": dict(self.dispatch_buffers),
             "collective_bytes_per_device": sum(c.bytes for c in self.collectives),
             "collective_wire_bytes_per_device": sum(c.wire_bytes for c in self.collectives),
             "comparisons": dict(self.comparisons),
@@ -355,7 +434,8 @@ def make_plan(cfg: K3Config, parallel: ParallelConfig, *, tokens: int = 256,
                 dtype=dtype, expert_dtype=expert_dtype, per_device_bytes=totals,
                 per_layer_bytes=per_layer,
                 collectives=tuple(moe_collectives(layout, tokens)) if cfg.num_moe_layers else (),
-                comparisons=comparisons)
+                comparisons=comparisons,
+                dispatch_buffers=dispatch_buffer_bytes(layout, tokens) if cfg.num_moe_layers else {})
 
 
 def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str, int]:
@@ -378,6 +458,7 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
 
 
 __all__ = ["Plan", "Collective", "make_plan", "plan_layer_bytes", "layer_param_bytes", "model_bytes",
-           "moe_collectives", "sp_sharded_mlp_collectives", "abstract_layer", "planning_layout",
+           "moe_collectives", "exchange_collectives", "dispatch_buffer_bytes",
+           "sp_sharded_mlp_collectives", "abstract_layer", "planning_layout",
            "format_gb", "format_gib", "COMPONENTS", "WEIGHT_DTYPES",
            "EXPERT_DTYPES"]

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 @dataclasses.dataclass(frozen=True)
 class GpuHardware:
-    """One GPU of an NVLink node."""
+    """One GPU of an NVLink node, and the InfiniBand NICs joining the nodes."""
 
     name: str
     num_sms: int                        # streaming multiprocessors
@@ -41,6 +41,14 @@ class GpuHardware:
     collective_latency_s: float         # fixed cost of one collective or one ring step
     collective_sms: int                 # SMs a collective in flight keeps busy
     gpus_per_node: int                  # GPUs on one NVLink / NVSwitch node
+    ib_bus_bytes_per_s: float           # NCCL's bandwidth through one InfiniBand NIC, one direction
+    ib_peak_bytes_per_s: float          # one NIC's line rate, one direction (data sheet)
+    nics_per_node: int                  # InfiniBand NICs of the compute fabric on one node
+    ring_base_latency_s: float          # NCCL's fixed cost of a ring collective (LL protocol)
+    nvlink_step_latency_s: float        # one NVLink step of a ring (LL)
+    ib_step_latency_s: float            # one inter-node step of a ring (LL)
+    ib_lone_step_latency_s: float       # the same with one rank a node (latencies exposed)
+    net_step_floor_s: float             # the least a step of a ring spanning nodes takes
     sources: Mapping[str, str]
 
     def __post_init__(self) -> None:
@@ -77,6 +85,14 @@ H200 = GpuHardware(
     collective_latency_s=10e-6,
     collective_sms=20,
     gpus_per_node=8,
+    ib_bus_bytes_per_s=48e9,
+    ib_peak_bytes_per_s=50e9,
+    nics_per_node=8,
+    ring_base_latency_s=6.6e-6,
+    nvlink_step_latency_s=0.6e-6,
+    ib_step_latency_s=2.7e-6,
+    ib_lone_step_latency_s=5.0e-6,
+    net_step_floor_s=1.0e-6,
     sources={
         "chip": "Hopper GH100 as in XLA's h100_sxm.txtpb target spec: 132 SMs, 228 KiB SMEM per SM "
                 "(227 KiB = 232,448 B opt-in per block), 64 K registers per SM, 50 MiB L2, "
@@ -94,6 +110,33 @@ H200 = GpuHardware(
         "hbm_peak_bytes_per_s": "4.8 TB/s HBM3e (NVIDIA H200 data sheet)",
         "collective_latency_s": "10 us per collective or ring step: an assumption, not measured",
         "gpus_per_node": "HGX H200: 8 GPUs joined by NVSwitch (NVIDIA H200 data sheet)",
+        "ib_bus_bytes_per_s": "NCCL through one ConnectX-7 at NDR 400 Gb/s: 46-48 GB/s per NIC "
+                              "(NVIDIA/nccl-tests#290), 48-49 GB/s (NVIDIA/nccl-tests#267); a ring "
+                              "collective across nodes moves its inter-node bytes through every NIC "
+                              "of the node at once (NVIDIA/nccl-tests#160: its bus bandwidth is the "
+                              "node's NICs together; NVIDIA/nccl#812: 192 GB/s on 8 x 200 Gb/s), an "
+                              "all-to-all through one NIC a GPU (NVIDIA/nccl-tests#267, #130)",
+        "ib_peak_bytes_per_s": "400 Gb/s = 50 GB/s each way per ConnectX-7 (DGX H200: eight "
+                               "single-port ConnectX-7 VPI, up to 400 Gb/s InfiniBand; NVIDIA DGX "
+                               "BasePOD reference architecture, core components)",
+        "nics_per_node": "DGX H200: four OSFP ports serving eight single-port ConnectX-7 for the "
+                         "compute fabric, one per GPU (NVIDIA DGX BasePOD reference architecture)",
+        "ring_base_latency_s": "NCCL's own tuning model (NVIDIA/nccl src/graph/tuning.cc): base "
+                               "latency of a Ring collective with the LL protocol, 6.6 us; its "
+                               "prediction for an 8-GPU NVLink ring, 6.6 + 7 x 0.6 = 10.8 us, is "
+                               "close to collective_latency_s; not measured by this project",
+        "nvlink_step_latency_s": "NCCL tuning model hwLatencies, NVLINK, Ring, LL: 0.6 us a step "
+                                 "(NVIDIA/nccl src/graph/tuning.cc); not measured by this project",
+        "ib_step_latency_s": "NCCL tuning model hwLatencies, NET, Ring, LL: 2.7 us an inter-node "
+                             "step (NVIDIA/nccl src/graph/tuning.cc; LL128 4.0, Simple 14); not "
+                             "measured by this project",
+        "ib_lone_step_latency_s": "NCCL tuning model: with one rank a node the latencies are "
+                                  "fully exposed and a ring's inter-node step costs the Tree "
+                                  "network latency, LL 5.0 us (NVIDIA/nccl src/graph/tuning.cc); "
+                                  "not measured by this project",
+        "net_step_floor_s": "NCCL tuning model: on a ring spanning nodes every step takes at least "
+                            "the network overhead, 1 us on Intel x86 hosts (getNetOverhead; DGX "
+                            "H200: Xeon Platinum 8480C); not measured by this project",
         "collective_sms": "20 of the 132 SMs saturate a GPU's NVLink and InfiniBand bandwidth with "
                           "communication kernels (DeepSeek-V3 Technical Report, arXiv 2412.19437, "
                           "section 3.2.2); taken as what one NCCL collective in flight occupies, "

@@ -73,14 +73,24 @@ def test_pallas_kernels_are_compiled_with_the_check_on_first_use_on(capsys):
         gate.force_mode(None)
         gate.reset()
     captured = capsys.readouterr()
-    kernels = {k["name"].rsplit("_", 1)[0]: k for k in json.loads(captured.out)["kernels"]}
-    # the MXFP4 dispatch at TINY's decode: the swap-AB kernels, the row-major exact fallback
+    report = json.loads(captured.out)
+    kernels = {k["name"].rsplit("_", 1)[0]: k for k in report["kernels"]}
+    # the MXFP4 dispatch at TINY's decode, abstract experts taken as FAST (the
+    # default): the swap-AB kernels, one a launch, and no exact kernel
+    assert report["mxfp4_dequant"] == "fast"
     fast = {name for name in kernels if "_mxfp4_swap_ab_t" in name}
     assert {name.split("_mxfp4")[0] for name in fast} == {"grouped_situ_glu", "grouped_matmul"}
-    assert {"grouped_situ_glu_mxfp4_exact_m64", "grouped_matmul_mxfp4_exact_m64"} <= set(kernels)
+    assert not any("_exact_" in name for name in kernels), sorted(kernels)
     for name in fast:
         assert kernels[name]["dequant_sass_per_weight"] is None   # TINY: one K step, no loop
     assert records == [] and "failed its check" not in captured.err
+    # --mxfp4-dequant exact: the row-major exact kernels instead
+    assert main(["compile", "--preset", "tiny", "--tokens", "64", "--backend", "pallas",
+                 "--expert-dtype", "mxfp4", "--mxfp4-dequant", "exact", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mxfp4_dequant"] == "exact"
+    assert {k["name"].rsplit("_", 1)[0] for k in report["kernels"] if "_mxfp4" in k["name"]} == {
+        "grouped_situ_glu_mxfp4_exact_m64", "grouped_matmul_mxfp4_exact_m64"}
 
 
 def test_tables_for_the_dense_layer(capsys):
@@ -98,6 +108,8 @@ def test_tables_for_the_dense_layer(capsys):
                                                         "float32"),
     (["--preset", "tiny", "--tp", "8", "--sequence-parallel"],
      "(--expert-dtype bfloat16)"),
+    (["--preset", "tiny", "--grads", "--mxfp4-dequant", "exact"],
+     "--mxfp4-dequant exact compiles the forward only"),
 ])
 def test_usage_errors_exit_2_naming_the_flags(argv, words, capsys):
     assert main(["compile", *argv]) == 2

@@ -364,7 +364,8 @@ def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices):
     tensors = checkpoint_tensors(mod, 1, {k: f64(v) for k, v in flat_grads(
         nnx.state(mod, nnx.Param)).items() if k not in MXFP4_EXPERT_PARAMS})
     prefix = layer_prefix(1, True)
-    for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4)):
+    for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4,
+                                                               mod.layout.mxfp4_dequant)):
         a = packed.dequantize(jnp.float32)
         for e in range(TINY.num_experts):
             tensors[f"{prefix}experts.{e}.{w}.weight"] = f64(a[e]).T

@@ -210,8 +210,8 @@ def test_dense_and_shared_can_differ_by_divisibility():
 
 # -- validation errors name the culprit ----------------------------------------
 def test_make_mesh_rejects_a_device_count_mismatch(eight_devices):
-    with pytest.raises(ValueError, match=r"dp \* tp = 2 \* 8 = 16 but 8 devices"):
-        make_mesh(ParallelConfig(dp=2, tp=8))
+    with pytest.raises(ValueError, match=r"dp \* tp = 4 \* 8 = 32 but 16 devices"):
+        make_mesh(ParallelConfig(dp=4, tp=8))
     with pytest.raises(ValueError, match=r"dp \* tp = 1 \* 4 = 4 but 8 devices"):
         make_mesh(ParallelConfig(tp=4), devices=eight_devices)
     mesh = make_mesh(ParallelConfig(dp=2, tp=4), devices=eight_devices)

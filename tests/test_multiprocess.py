@@ -1,6 +1,8 @@
 """Multi-process ``k3jax run``: 2 processes x 4 CPU devices (gloo, loopback)
-against 1 process x 8 devices and the float64 reference; a killed peer;
-processes that disagree; flag errors.
+against 1 process x 8 devices and the float64 reference; the same 2
+processes as 2 nodes (``--nodes 2``) with each EP dispatch form; a killed
+peer (also across nodes, mid all-to-all); processes that disagree; flag
+errors.
 
 Every subprocess call has a timeout and every started process group is
 killed at the end of its test, so a hang fails the test instead of the suite.
@@ -32,9 +34,11 @@ pytestmark = pytest.mark.tiers(
     slow=[
         "test_two_processes_match_one_process_and_float64_reference",
         "test_killed_peer_ends_the_survivor_with_a_clear_error",
+        "test_two_processes_as_two_nodes_match_one_process",
         "test_processes_that_disagree_stop_with_a_clear_error",
         "test_a_process_that_fails_is_reported_by_every_process",
         "test_processes_agree_on_the_kernel_backend_per_configuration",
+        "test_processes_agree_on_the_mxfp4_experts_dequant",
     ],
     integration=["test_the_worker_exit_code_passes_through_the_child"])
 
@@ -43,6 +47,9 @@ LAYOUT = ["--devices", "8", "--tp", "8", "--sequence-parallel", "--expert-parall
 RUN_TIMEOUT_S = 240      # a whole run on a loaded 2-core machine; a hang fails here
 PEER_LOSS_LIMIT_S = 60   # the issue's bound for a survivor to exit after a peer dies
 DIST_ENV = (startup.ENV_COORDINATOR, startup.ENV_NUM_PROCESSES, startup.ENV_PROCESS_ID)
+# 2 processes as 2 nodes of 4 devices: the node axis outermost, one process a node
+NODES_LAYOUT = ["--devices", "8", "--dp", "2", "--tp", "4", "--nodes", "2", "--sequence-parallel",
+                "--expert-parallel", "--backend", "xla"]
 
 
 def free_port() -> int:
@@ -104,6 +111,20 @@ def procs():
 def dist_flags(port: int, process_id: int) -> list[str]:
     return ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
             "--process-id", str(process_id)]
+
+
+def one_process_and_a_pair(common, y1, y2, tmp_path, procs) -> dict[str, tuple[int, str, str]]:
+    """Run ``common`` as one process writing ``y1`` (named "single") and as a
+    2-process run writing ``y2`` ("p0", "p1"), concurrently; every one must
+    exit 0. {name: (exit code, stdout, stderr)}."""
+    port = free_port()
+    procs.append(start([*common, "--output", str(y1)], tmp_path, "single"))
+    for i in range(2):
+        procs.append(start([*common, "--output", str(y2), *dist_flags(port, i)], tmp_path, f"p{i}"))
+    results = {p.name: finish(p, RUN_TIMEOUT_S) for p in procs}
+    for name, (code, out, err) in results.items():
+        assert code == 0, f"{name} failed ({code}):\n{out}\n{err}"
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +191,65 @@ def test_two_processes_match_one_process_and_float64_reference(problem, tmp_path
             assert not np.any(grads_2x4[name]), name
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["kill-process-1", "kill-coordinator"])
-def test_killed_peer_ends_the_survivor_with_a_clear_error(problem, tmp_path, procs, victim):
+def test_processes_agree_on_the_mxfp4_experts_dequant(tmp_path, procs):
+    """Packed MXFP4 experts, one scale byte outside FAST_SCALES in the last
+    expert, which only process 1 reads (EP over 8 devices, 4 a process):
+    process 0's own bytes are all fast, yet it reports the agreed EXACT (so
+    both compile the same program), and the output equals one process's and
+    the float64 reference of the decoded codes."""
+    from k3jax.checkpoint.writer import synthetic_tensors, write_checkpoint
+    from pallas_kernels.mxfp4 import dequant_numpy
+    tensors = dict(synthetic_tensors(TINY, 12, dtype="float32", experts="mxfp4"))
+    last = f"model.layers.1.block_sparse_moe.experts.{TINY.num_experts - 1}.w2.weight_scale"
+    tensors[last][0, 0] = 129
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, TINY, tensors.items())
+    x = np.random.default_rng(7).standard_normal((13, TINY.hidden_size)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    common = ["--checkpoint", str(ckpt), "--input", str(tmp_path / "x.npy"), *LAYOUT]
+    y1, y2 = tmp_path / "y_1x8.npy", tmp_path / "y_2x4.npy"
+    results = one_process_and_a_pair(common, y1, y2, tmp_path, procs)
+    assert "MXFP4 experts' dequant: exact" in results["p0"][1]
+    assert "MXFP4 experts' dequant: exact" in results["single"][1]
+    got = np.load(y2)
+    assert rel_err(got, np.load(y1)) < 1e-5
+    prefix = "model.layers.1.block_sparse_moe."
+    decoded = {}
+    for name, value in tensors.items():
+        if not name.startswith(prefix) or name.endswith("weight_scale"):
+            continue
+        if name.endswith("weight_packed"):
+            name = name[:-len("_packed")]
+            value = dequant_numpy(value, tensors[name + "_scale"])
+        decoded[name[len(prefix):]] = value.astype(np.float64)
+    assert rel_err(got, np_moe(x, decoded, TINY)) < 1e-4
+
+
+@pytest.mark.parametrize("form", ["gather", "hierarchical", "all-to-all"])
+def test_two_processes_as_two_nodes_match_one_process(problem, tmp_path, procs, form):
+    """Each process is one node (its 4 devices one block of the node axis);
+    every dispatch form's output equals one process on 8 devices, and the
+    float64 reference."""
+    root, ckpt, x = problem
+    common = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), *NODES_LAYOUT,
+              "--ep-dispatch", form]
+    y1, y2 = tmp_path / "y_1x8.npy", tmp_path / "y_2nodes.npy"
+    results = one_process_and_a_pair(common, y1, y2, tmp_path, procs)
+    out0 = results["p0"][1]
+    assert "mesh: {'node': 2, 'data': 1, 'tensor': 4} on 8 cpu device(s)" in out0
+    assert "nodes=2 (4 devices each)" in out0 and f"rows by {form}" in out0
+    got = np.load(y2)
+    assert rel_err(got, np.load(y1)) < 1e-5
+    assert rel_err(got, np_moe(x, layer_tensors_f64(ckpt, 1), TINY)) < 1e-4
+
+
+@pytest.mark.parametrize("victim, layout", [(1, LAYOUT), (0, LAYOUT),
+                                            (1, [*NODES_LAYOUT, "--ep-dispatch", "all-to-all"])],
+                         ids=["kill-process-1", "kill-coordinator", "kill-node-1-all-to-all"])
+def test_killed_peer_ends_the_survivor_with_a_clear_error(problem, tmp_path, procs, victim, layout):
     root, ckpt, _ = problem
     port = free_port()
-    common = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), *LAYOUT,
+    common = ["--checkpoint", str(ckpt), "--input", str(root / "x.npy"), *layout,
               "--repeat", "100000000"]
     for i in range(2):
         procs.append(start([*common, *dist_flags(port, i)], tmp_path, f"p{i}"))

@@ -26,6 +26,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from k3jax import ep_dispatch_choice
+
 pytestmark = pytest.mark.tiers(
     integration=[
         "test_01_shared_expert_sequence_parallel",
@@ -161,6 +163,19 @@ def test_02_moe_padding_and_ep(executed):
     assert padded, "no layout exercised the padding"
     for c in checks:
         assert c["zero_padding"] and c["err_vs_unpadded"] < 1e-5 and c["err_vs_torch_f64"] < 1e-5, c
+    # the dispatch latency model across nodes (a prediction): auto is the committed table's pick, and
+    # the hierarchical form moves fewer InfiniBand bytes than the flat gather at every token count
+    d = s["dispatch"]
+    assert d["tokens"] == [2 ** i for i in range(3, 14)]
+    assert d["destinations"]["ep16_uniform"]["remote_nodes"] == pytest.approx(1.0, abs=1e-3)
+    assert d["destinations"]["ep32_skewed"]["nodes"] < d["destinations"]["ep32_uniform"]["nodes"]
+    for key, (ep, nodes) in (("ep16_nodes2", (16, 2)), ("ep32_nodes4", (32, 4))):
+        series = d[key]
+        assert series["pick"] == [ep_dispatch_choice.pick(ep, nodes, t) for t in d["tokens"]]
+        for j in range(len(d["tokens"])):
+            assert series["hierarchical"]["ib_bytes"][j] < series["gather"]["ib_bytes"][j]
+            assert all(0 < series[f]["dispatch_s"][j] < series[f]["layer_s"][j]
+                       for f in ("gather", "hierarchical", "all-to-all"))
 
 
 def test_03_torch_crosscheck(executed):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tiers
-from k3jax import K3, TINY, ParallelConfig, SharedOverlap, make_layout, shared_overlap_choice
+from k3jax import K3, TINY, EpDispatch, ParallelConfig, SharedOverlap, make_layout, shared_overlap_choice
 from k3jax.cli import main
 from layout_cases import DENSE_LAYER, EXTRA_LAYOUTS, MOE_LAYER, add_layout, output
 
@@ -65,7 +65,8 @@ def test_an_explicit_scatter_dtype_wins_and_explicit_forms_stay():
     tokens = next(t for t in range(1, 16385)
                   if shared_overlap_choice.pick(8, 1, t) == ("none", "bfloat16"))
     assert make_layout(K3, par, dtype=jnp.bfloat16).for_tokens(tokens).shared_mlp.scatter == "float32"
-    ring = make_layout(K3, dataclasses.replace(par, shared_overlap=SharedOverlap.RING))
+    ring = make_layout(K3, dataclasses.replace(par, shared_overlap=SharedOverlap.RING,
+                                               ep_dispatch=EpDispatch.GATHER))
     assert ring.for_tokens(tokens) is ring
     # without the explicit dtype: bf16 for a bf16 layer, float32 sums for a float32 one
     auto = dataclasses.replace(par, shared_scatter_dtype=None)

@@ -18,6 +18,8 @@ from k3jax.config import PRESETS, K3Config, from_hf_config, preset
 from k3jax.files import atomic_write, check_writable
 from k3jax.layout import (
     DEFAULT_SHARED_OVERLAP,
+    EpDispatch,
+    EpDispatchError,
     LayoutError,
     Mxfp4ShardError,
     ParallelConfig,
@@ -114,6 +116,8 @@ def layout_errors(parallel: ParallelConfig, *, what: str = "does not fit",
         yield
     except Mxfp4ShardError as e:
         raise UsageError(f"{e} ({mxfp4_fix})") from None
+    except EpDispatchError as e:
+        raise UsageError(str(e)) from None
     except LayoutError as e:
         raise UsageError(f"{layout_flags(parallel)} {what} this model: {e}") from None
 
@@ -163,6 +167,19 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="split token rows over the tensor axis inside the MoE block")
     g.add_argument("--expert-parallel", action="store_true",
                    help="whole experts over dp x tp devices (no intermediate padding)")
+    g.add_argument("--nodes", type=positive_int, default=1,
+                   help="nodes the dp x tp devices span (a node axis outside data and tensor; "
+                        "must divide --dp: the tensor axis stays inside a node; with several "
+                        "processes, each node holds processes / nodes of them) (default 1)")
+    g.add_argument("--ep-dispatch", choices=[f.value for f in EpDispatch],
+                   default=EpDispatch.AUTO.value,
+                   help="under --expert-parallel, how token rows reach their experts: "
+                        "'gather' (one all-gather over every device, one reduce-scatter back), "
+                        "'hierarchical' (the same in two stages, across nodes then inside; "
+                        "needs --nodes > 1), 'all-to-all' (dropless ragged all-to-all to the "
+                        "nodes, then devices, holding each row's experts; needs "
+                        "--sequence-parallel or tp 1) or 'auto' (per token count, the dispatch "
+                        "latency model's committed pick; docs/latency.md) (default auto)")
     g.add_argument("--shard-shared-expert", action="store_true", default=None,
                    help="opt in to TP-sharding the shared expert / dense MLP under sequence "
                         "parallelism (default: K3JAX_SHARD_SP_SHARED_EXPERT, else off)")
@@ -191,6 +208,7 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
 def layout_flags(parallel: ParallelConfig) -> str:
     """The layout flags that give ``parallel``, for error messages."""
     flags = [f"--dp {parallel.dp}", f"--tp {parallel.tp}"]
+    flags += [f"--nodes {parallel.nodes}"] * (parallel.nodes > 1)
     flags += ["--sequence-parallel"] * parallel.sequence_parallel
     flags += ["--expert-parallel"] * parallel.expert_parallel
     return " ".join(flags)
@@ -208,8 +226,16 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
         dp = 1
     if num_devices is not None and dp * tp != num_devices:
         raise UsageError(f"--dp {dp} x --tp {tp} = {dp * tp} does not match --devices {num_devices}")
+    nodes = args.nodes
+    if (dp * tp) % nodes:
+        raise UsageError(f"--nodes {nodes} does not divide the {dp * tp} devices (--dp {dp} x "
+                         f"--tp {tp})")
+    if dp % nodes:
+        raise UsageError(f"--nodes {nodes} does not divide --dp {dp}: the tensor axis (--tp "
+                         f"{tp}) stays inside a node, so each node must hold whole tensor groups")
     try:
-        parallel = ParallelConfig(dp=dp, tp=tp, sequence_parallel=args.sequence_parallel,
+        parallel = ParallelConfig(dp=dp, tp=tp, nodes=nodes, ep_dispatch=EpDispatch(args.ep_dispatch),
+                                  sequence_parallel=args.sequence_parallel,
                                   expert_parallel=args.expert_parallel,
                                   shard_shared_expert=args.shard_shared_expert,
                                   shared_overlap=SharedOverlap(args.shared_overlap),

@@ -41,6 +41,11 @@ def add_parser(sub) -> None:
                    help="xla (default), pallas (the Mosaic GPU kernels, compiled through ptxas) "
                         "or triton (only the layer's Triton kernels, compiled by Triton for "
                         "--compute-capability)")
+    p.add_argument("--mxfp4-dequant", choices=("fast", "exact"), default="fast",
+                   help="what the abstract MXFP4 experts' scale bytes are taken to allow (no "
+                        "bytes are read): fast (every byte in 2..128, as in real checkpoints; "
+                        "default: the fast kernels) or exact (the exact dequant kernels). A loaded "
+                        "checkpoint decides it from its bytes")
     p.add_argument("--compute-capability", type=int, choices=(80, 89, 90, 100), default=None,
                    help="with --backend triton: the target GPU's compute capability (default 90)")
     p.add_argument("--grads", action="store_true",
@@ -107,14 +112,19 @@ def _compile(args: argparse.Namespace):
 
 def _compile_one(args: argparse.Namespace, cfg, parallel):
     """The forward's CompileReport, or with --grads the training step's."""
+    if args.grads and args.mxfp4_dequant != "fast":
+        raise UsageError(f"--mxfp4-dequant {args.mxfp4_dequant} compiles the forward only: "
+                         f"drop --grads (the training step compiles the fast kernels)")
     if args.grads:
         from k3jax.compile_grads import compile_layer_grads
         return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
                                    backend=args.backend, dtype=args.dtype,
                                    expert_dtype=args.expert_dtype)
     from k3jax.compile import compile_layer
+    from pallas_kernels.mxfp4 import Mxfp4Dequant
     return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
-                         dtype=args.dtype, expert_dtype=args.expert_dtype)
+                         dtype=args.dtype, expert_dtype=args.expert_dtype,
+                         mxfp4_dequant=Mxfp4Dequant(args.mxfp4_dequant))
 
 
 def print_report(report, file=None) -> None:
@@ -131,6 +141,9 @@ def print_report(report, file=None) -> None:
                   f"{report.tokens} tokens, backend {report.backend}, {par.describe()}, "
                   f"{par.num_devices} x {d['target']['device']} ({d['target']['compute_capability']}), "
                   f"compiled in {d['compile_seconds']:.1f} s", highlight=False)
+    if d.get("mxfp4_dequant"):
+        console.print(f"MXFP4 experts' dequant: {d['mxfp4_dequant']} (abstract weights: "
+                      f"--mxfp4-dequant)", highlight=False)
     if par.sequence_parallel and par.shard_shared_expert:
         forms = d["layout"]["overlap_forms"]
         console.print(f"SP-sharded MLP form (--shared-overlap {par.shared_overlap.value}): shared "
@@ -167,16 +180,17 @@ def print_report(report, file=None) -> None:
 
     ctable = Table(title="Collectives in schedule order (compute between start and done)")
     for column, justify in (("#", "right"), ("kind", "left"), ("bytes / device", "right"),
-                            ("group", "right"), ("async", "left"), ("ops", "right"),
-                            ("FLOPs", "right"), ("scope", "left")):
+                            ("group", "right"), ("axes", "left"), ("async", "left"),
+                            ("ops", "right"), ("FLOPs", "right"), ("scope", "left")):
         ctable.add_column(column, justify=justify)
-    for i, c in enumerate(report.collectives, 1):
+    for i, (c, axes) in enumerate(zip(report.collectives, report.axes_of_collectives()), 1):
         scope = "/".join(s for s in ("shared_expert", "routed_experts") if s in c.op_name.split("/"))
+        where = "+".join(axes) + (" (across nodes)" if "node" in axes else "")
         ctable.add_row(str(i), c.kind + (f" x{c.parts}" if c.parts > 1 else ""), f"{c.bytes:,}",
-                       str(c.group), str(c.is_async), str(c.compute_between),
+                       str(c.group), where, str(c.is_async), str(c.compute_between),
                        f"{c.flops_between:.3e}", scope)
     if not report.collectives:
-        ctable.add_row("", "none", "", "", "", "", "", "")
+        ctable.add_row("", "none", "", "", "", "", "", "", "")
     console.print(ctable)
 
     if report.kernels:

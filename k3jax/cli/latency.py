@@ -1,7 +1,10 @@
 """``k3jax latency``: the whole-layer latency model's prediction
 (analysis.layer_latency) of one K3 MoE layer and the dense layer on one H200
 node, for every shared-expert form and the ``auto`` pick, against the
-replicated shared expert. A model's prediction, not a measurement."""
+replicated shared expert; with ``--nodes N``, the dispatch latency model's
+(analysis.dispatch_latency) per-layer time of every way of moving the
+routed rows under expert parallelism over N nodes, and the ``auto`` pick.
+Model predictions, not measurements."""
 
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ import argparse
 import json
 import sys
 
-from k3jax.cli.common import UsageError, report_errors
+from k3jax.cli.common import UsageError, positive_int, report_errors
 
 DEFAULT_TOKENS = (8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_LAYOUTS = ((4, 1), (8, 1), (4, 2))          # (tp, dp), SP + EP
 TARGET_RATIO = 1.05
 LABEL = "model prediction (analysis.layer_latency), not a measurement"
+DISPATCH_LABEL = "model prediction (analysis.dispatch_latency), not a measurement"
+GPUS_PER_NODE_DEFAULT_TP = 8        # --nodes alone: tp 8, dp = nodes (8 GPUs a node)
 
 
 def add_parser(sub) -> None:
@@ -30,10 +35,28 @@ def add_parser(sub) -> None:
                    help="data-parallel sizes (default 1, with dp 2 x tp 4 in the default set)")
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
                    help="global token counts (default: %(default)s)")
-    p.add_argument("--layer", choices=("moe", "dense"), nargs="+", default=["moe", "dense"],
-                   help="which layers (default: both)")
+    p.add_argument("--layer", choices=("moe", "dense"), nargs="+", default=None,
+                   help="which layers (default: both; with --nodes the MoE layer only)")
+    p.add_argument("--nodes", type=positive_int, default=None,
+                   help="instead of the shared-expert forms, the dispatch latency model: how "
+                        "routed rows reach their experts (gather, hierarchical, all-to-all) under "
+                        "expert parallelism over dp x tp GPUs on this many nodes (--nodes must "
+                        "divide --dp; default tp 8, dp = nodes: 8 GPUs a node)")
+    p.add_argument("--routing-skew", type=_fraction, default=0.0, metavar="F",
+                   help="with --nodes: the fraction of tokens whose 16 experts all sit on one node "
+                        "(default 0: uniform routing, as the committed auto table assumes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(main=main)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
 
 
 def layouts_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -58,6 +81,11 @@ def _latency(args: argparse.Namespace) -> int:
     bad = [t for t in args.tokens if t < 1]
     if bad:
         raise UsageError(f"--tokens {bad[0]}: the token count must be >= 1")
+    if args.nodes is not None:
+        return _dispatch(args)
+    if args.routing_skew:
+        raise UsageError(f"--routing-skew {args.routing_skew}: needs --nodes (the dispatch model)")
+    args.layer = args.layer or ["moe", "dense"]
     from analysis import layer_latency as ll
     from k3jax.config import K3
 
@@ -172,5 +200,131 @@ def print_tables(result: dict, file=None) -> None:
                      else f"{v['vllm_low_pct']:+.0f} .. {v['vllm_high_pct']:+.0f}")
         vtable.add_row(str(v["tokens"]), f"{v['predicted_pct']:+.1f}", published, f"{v['error_pp']:.1f}")
     console.print(vtable)
+    for note in result["notes"]:
+        console.print(f"note: {note}", highlight=False)
+
+
+# -- the dispatch model (--nodes) --------------------------------------------
+def dispatch_layouts(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(tp, dp) pairs for --nodes: --tp x --dp, tp 8 and dp = nodes by
+    default; UsageError naming the flag for a layout the model cannot take."""
+    from analysis import dispatch_latency as dl
+    from k3jax.config import K3
+
+    nodes = args.nodes
+    layouts = [(tp, dp) for tp in (args.tp or [GPUS_PER_NODE_DEFAULT_TP])
+               for dp in (args.dp or [nodes])]
+    for tp, dp in layouts:
+        if dp % nodes:
+            raise UsageError(f"--nodes {nodes} does not divide --dp {dp}: the tensor axis (--tp "
+                             f"{tp}) stays inside a node, so each node must hold whole tensor groups")
+        try:
+            dl.check_layout(K3, dp * tp, nodes, min(args.tokens))
+        except ValueError as e:
+            raise UsageError(f"--dp {dp} x --tp {tp} over --nodes {nodes}: {e}") from None
+    return layouts
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.layer and "dense" in args.layer:
+        raise UsageError("--layer dense: the dispatch model (--nodes) covers the MoE layer only")
+    from k3jax.config import K3
+
+    layouts = dispatch_layouts(args)
+    result = run_dispatch(K3, args.nodes, layouts, args.tokens, args.routing_skew,
+                          progress=None if args.json else
+                          lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_dispatch_tables(result)
+    return 0
+
+
+def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=None) -> dict:
+    """The --json object of --nodes: hardware (figures and sources), the
+    routing model, per layout the expected destinations of a token's
+    experts, one row per (layout, tokens, form) with its per-layer time,
+    dispatch + combine time and bytes on each link (each transfer listed),
+    and per (layout, tokens) the model's fastest form and the committed
+    table's pick (k3jax's auto)."""
+    from analysis import dispatch_latency as dl
+    from analysis import ep_destinations as ed
+    from k3jax import ep_dispatch_choice
+
+    routing = ed.Routing(skew)
+    out_layouts, rows, auto = [], [], []
+    for tp, dp in layouts:
+        ep = dp * tp
+        if progress:
+            progress(f"k3jax latency: EP {ep} over {nodes} node(s), {len(tokens)} token counts")
+        dest = ed.expected(cfg.num_experts, cfg.num_experts_per_token, ep, nodes, routing)
+        out_layouts.append({"tp": tp, "dp": dp, "ep": ep, "nodes": nodes,
+                            "devices_per_node": ep // nodes, "destinations": dest.as_dict()})
+        for t in tokens:
+            ests, fastest = dl.sweep(cfg, ep, nodes, t, routing)
+            rows += [{"tp": tp, "dp": dp, **e.as_dict()} for e in ests.values()]
+            auto.append({"tp": tp, "dp": dp, "ep": ep, "nodes": nodes, "tokens": t,
+                         "fastest": fastest, "layer_s": ests[fastest].layer_s,
+                         "pick": ep_dispatch_choice.pick(ep, nodes, t),
+                         "tabulated": (ep, nodes) in ep_dispatch_choice.tabulated()})
+    notes = [f"pick: k3jax's auto (k3jax.ep_dispatch_choice, the committed table: uniform routing; "
+             f"an (ep, nodes) it does not hold gets {ep_dispatch_choice.FALLBACK_MULTI_NODE} over "
+             f"several nodes, {ep_dispatch_choice.FALLBACK_ONE_NODE} on one); fastest: this run's "
+             f"model under {routing.name} routing"]
+    differ = [a for a in auto if a["pick"] != a["fastest"]]
+    if differ:
+        notes.append(f"the pick differs from this run's fastest at {len(differ)} of {len(auto)} "
+                     "points (a routing other than the table's, a layout the table does not hold, "
+                     "or a token count inside a table range)")
+    return {"label": DISPATCH_LABEL, "hardware": dl.hardware(),
+            "routing": {"name": routing.name, "node_fraction": routing.node_fraction},
+            "layouts": out_layouts, "rows": rows, "auto": auto, "notes": notes}
+
+
+def print_dispatch_tables(result: dict, file=None) -> None:
+    """Per layout: the predicted layer time per form with the fastest and the
+    pick, then each form's dispatch + combine alone and its bytes per link."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=160)
+    console.print(f"[bold]k3jax latency --nodes[/bold]: {result['label']}", highlight=False)
+    hw = result["hardware"]
+    console.print(f"{hw['name']}: NVLink bus {hw['nvlink_bus_bytes_per_s'] / 1e9:.0f} GB/s, InfiniBand "
+                  f"{hw['ib_bus_bytes_per_s'] / 1e9:.0f} GB/s a NIC ({hw['nics_per_node']} a node), ring "
+                  f"latency {hw['ring_base_latency_s'] * 1e6:.1f} us + "
+                  f"{hw['nvlink_step_latency_s'] * 1e6:.1f} us an NVLink step, "
+                  f"{hw['ib_step_latency_s'] * 1e6:.1f} us an inter-node step (sources: --json)",
+                  highlight=False)
+    for lay in result["layouts"]:
+        ep, nodes, d = lay["ep"], lay["nodes"], lay["destinations"]
+        console.print(f"\n[bold]EP {ep}[/bold] (dp {lay['dp']} x tp {lay['tp']}) over {nodes} node(s), "
+                      f"{lay['devices_per_node']} GPUs a node, {result['routing']['name']} routing: a "
+                      f"token's experts reach {d['nodes']:.2f} nodes ({d['remote_nodes']:.2f} remote) "
+                      f"and {d['devices']:.2f} devices (expected, routing model)", highlight=False)
+        mine = [r for r in result["rows"] if (r["ep"], r["tp"]) == (ep, lay["tp"])]
+        forms = list(dict.fromkeys(r["form"] for r in mine))
+        table = Table()
+        for name in ["tokens", "rows"] + forms + ["fastest", "pick (auto)"]:
+            table.add_column(name, justify="right")
+        bytes_table = Table()
+        bytes_table.add_column("tokens", justify="right")
+        for form in forms:
+            bytes_table.add_column(form, justify="right")
+        for a in (a for a in result["auto"] if (a["ep"], a["tp"]) == (ep, lay["tp"])):
+            cells = {r["form"]: r for r in mine if r["tokens"] == a["tokens"]}
+            rows = cells[forms[0]]["rows"]
+            table.add_row(str(a["tokens"]), str(rows),
+                          *[f"{cells[f]['layer_s'] * 1e6:.1f}" for f in forms], a["fastest"],
+                          a["pick"] + ("" if a["tabulated"] else " (fallback)"))
+            bytes_table.add_row(str(a["tokens"]), *[
+                f"{cells[f]['dispatch_s'] * 1e6:.1f} us, {cells[f]['ib_bytes'] / 1e6:.2f} / "
+                f"{cells[f]['nvlink_bytes'] / 1e6:.2f}" for f in forms])
+        console.print("MoE layer, predicted us per device (model prediction)", highlight=False)
+        console.print(table)
+        console.print("dispatch + combine alone: us, then MB a device on InfiniBand / NVLink "
+                      "(model prediction)", highlight=False)
+        console.print(bytes_table)
     for note in result["notes"]:
         console.print(f"note: {note}", highlight=False)

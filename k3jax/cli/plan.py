@@ -108,8 +108,15 @@ def print_plan(plan, file=None) -> None:
                             ("bytes / device", "right")):
         ctable.add_column(column, justify=justify)
     for i, c in enumerate(plan.collectives, 1):
-        ctable.add_row(str(i), c.kind, "+".join(c.axes), str(c.group), c.what,
+        axis = "+".join(c.axes) + (" (across nodes)" if c.crosses_nodes else "")
+        ctable.add_row(str(i), c.kind, axis, str(c.group), c.what,
                        "x".join(map(str, c.shape)), c.dtype, f"{c.bytes:,}")
     if not plan.collectives:
         ctable.add_row("", "none", "", "", "every device holds what it needs", "", "", "0")
     console.print(ctable)
+    if plan.dispatch_buffers:
+        worst = " (ragged all-to-all: sized for the worst case, dropless)" \
+            if plan.layout.ep_dispatch.value == "all-to-all" else ""
+        console.print(f"routed rows' exchange buffers per device{worst}: "
+                      + ", ".join(f"{k} {v:,} B" for k, v in plan.dispatch_buffers.items())
+                      + f"; {sum(plan.dispatch_buffers.values()):,} B in all", highlight=False)

@@ -29,6 +29,7 @@ from k3jax.cli.common import (
     request_devices,
     require_devices,
 )
+from k3jax.parallel_config import NODE
 from k3jax.runtime import agreement, startup, supervision
 from pallas_kernels import interpret_compat
 
@@ -288,6 +289,8 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     print(f"{what} ({kinds}), T={x.shape[0]}, hidden={cfg.hidden_size}, dtype={args.dtype}, "
           f"backend={args.backend}")
     print(f"mesh: {dict(mesh.shape)} on {len(mesh.devices.flat)} {mesh.devices.flat[0].platform} device(s)")
+    if NODE in mesh.shape:
+        print(_describe_nodes(mesh))
     total = 0
     for i, m in zip(layers, modules):
         if len(layers) > 1:
@@ -411,6 +414,18 @@ def _agree_kernel_backends(spec: startup.ProcessSpec, forward, state, x_dev) -> 
                   f"(its check failed on another)")
     if changed:   # retrace with the agreed backends
         jax.clear_caches()
+
+
+def _describe_nodes(mesh) -> str:
+    """One line: which processes and devices form each node (index n of NODE)."""
+    parts = []
+    for n in range(mesh.shape[NODE]):
+        devices = mesh.devices[n].ravel()
+        procs = sorted({d.process_index for d in devices})
+        span = f"{procs[0]}" if len(procs) == 1 else f"{procs[0]}-{procs[-1]}"
+        parts.append(f"node {n}: process{'es' if len(procs) > 1 else ''} {span}, "
+                     f"devices {[d.id for d in devices]}")
+    return "nodes: " + "; ".join(parts)
 
 
 def _describe_layout(module, is_moe: bool, tokens: int) -> str:

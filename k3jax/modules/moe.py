@@ -17,16 +17,19 @@ which the loader interleaves on the device), and
 a UE8M0 scale array along the same input axis in the [in, out] orientation
 (w1_scale_ELF / w3_scale_ELF [E, L/32, F], w2_scale_EFL [E, F/32, L]); 0.53125 B
 per parameter in device memory; the grouped matmuls take them packed as
-``Mxfp4Weights`` and dequantize one active expert at a time). Packed
+``Mxfp4Weights``, with the static dequant ``Layout.mxfp4_dequant`` states,
+and dequantize one active expert at a time). Packed
 experts are frozen: gradients (k3jax.grads) flow through their dequantized
 values to the input and the other weights, never to the uint8 codes/scales.
 
 Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch``:
     moe_rows_local   Dispatch.OWN_ROWS: each device routes its own rows; rows
-                     are all-gathered over ``Layout.dispatch_axes``, the experts
-                     held here run, and the float32 latent is reduce-scattered
-                     back before the RMSNorm. Covers LOCAL (no axes), TP under
-                     SP (TENSOR) and EP (all).
+                     are all-gathered over ``Layout.dispatch_stages``, the
+                     experts held here run, and the float32 latent is
+                     reduce-scattered back before the RMSNorm (or, under
+                     EpDispatch.ALL_TO_ALL, rows and latent move by ragged
+                     all-to-all, k3jax.ep_exchange). Covers LOCAL (no axes),
+                     TP under SP (TENSOR) and EP (all).
     moe_tp_local     Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated
                      over TENSOR; every expert's F split (TP) or whole experts
                      over (DATA, TENSOR) (EP over plain TP: rows all-gathered
@@ -46,9 +49,11 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
+from k3jax.ep_exchange import all_to_all_routed, gather_staged, scatter_staged
 from k3jax.layout import (
     TENSOR,
     Dispatch,
+    EpDispatch,
     ExpertStorage,
     Layout,
     MlpMode,
@@ -67,15 +72,14 @@ from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_par
 from k3jax.ops import SiTU, rms_norm, route
 from k3jax.ops.experts import (
     ExpertWeight,
-    combine_pairs,
-    experts_down,
+    experts_down_combined,
     experts_up,
     routed_experts,
     sort_pairs,
 )
 from k3jax.ops.matmul import matmul
-from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
-from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
+from k3jax.sequence_parallel import row_sharded_forward
+from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Dequant, Mxfp4Weights
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
@@ -161,15 +165,20 @@ def _swap_last(spec: P, ndim: int) -> P:
     return P(*entries)
 
 
-def expert_weights(p: dict, experts: ExpertStorage) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+def expert_weights(p: dict, experts: ExpertStorage, dequant: Mxfp4Dequant | None
+                   ) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
     """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
-    arrays as stored (DENSE, MXFP4_DEQUANT), or Mxfp4Weights of the packed
-    codes [E, out, in/2] and scales [E, in/32, out] (MXFP4; the grouped
-    matmuls dequantize them, one active expert at a time, to the
-    activations' dtype)."""
+    arrays as stored (DENSE, MXFP4_DEQUANT; ``dequant`` None), or
+    Mxfp4Weights of the packed codes [E, out, in/2] and scales [E, in/32,
+    out] with the static ``dequant`` their scale bytes allow
+    (Layout.mxfp4_dequant; MXFP4: the grouped matmuls dequantize them, one
+    active expert at a time, to the activations' dtype)."""
+    if (dequant is not None) is not experts.packed:
+        raise ValueError(f"expert_weights: {experts} experts take dequant "
+                         f"{'an Mxfp4Dequant' if experts.packed else 'None'}, got {dequant!r}")
     if not experts.packed:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
-    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]])
+    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]], dequant)
                  for w in ("w1", "w3", "w2"))
 
 
@@ -189,16 +198,18 @@ def _latent_out(r_TL, p, cfg: K3Config, dtype):
     return matmul(r, p["lat_up_LD"])
 
 
-def _dispatch(x_TD, valid_T, p, layout: Layout):
+def _route_own(x_TD, valid_T, p, layout: Layout):
     """Route own rows x_TD [T, D] and project them to the latent: (lat_TL,
-    ids_TK, w_TK), all-gathered over ``layout.dispatch_axes`` ([T * n, .], n
-    their size) when there are any."""
+    ids_TK, w_TK) of these T rows."""
     ids_TK, w_TK = route(x_TD, p["router_DE"], p["router_bias_E"], layout.cfg, valid_T)
-    lat_TL = matmul(x_TD, p["lat_down_DL"])
-    axes = layout.dispatch_axes
-    if axes:
-        lat_TL, ids_TK, w_TK = (gather_rows(a, axes) for a in (lat_TL, ids_TK, w_TK))
-    return lat_TL, ids_TK, w_TK
+    return matmul(x_TD, p["lat_down_DL"]), ids_TK, w_TK
+
+
+def _dispatch(x_TD, valid_T, p, layout: Layout):
+    """``_route_own``, all-gathered over ``layout.dispatch_stages`` ([T * n, .],
+    n the devices of ``dispatch_axes``) when there are any."""
+    rows = _route_own(x_TD, valid_T, p, layout)
+    return tuple(gather_staged(a, layout.dispatch_stages) for a in rows)
 
 
 def _first_expert(layout: Layout):
@@ -214,23 +225,42 @@ def _routed_partial(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     from ``first_expert``), unreduced over ``layout.dispatch_axes`` (n their
     size, 1 without): lat/ids/weights are all-gathered over them first."""
     lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-    return routed_experts(lat_TL, ids_TK, w_TK, *expert_weights(p, layout.experts), act,
+    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant)
+    return routed_experts(lat_TL, ids_TK, w_TK, *experts, act,
                           first_expert=_first_expert(layout), backend=layout.backend)
+
+
+def _own_rows_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
+    """The float32 routed latent [T, L] of own rows, summed over all their
+    experts: staged gather -> experts -> staged reduce-scatter, or the
+    dropless ragged all-to-all (EpDispatch.ALL_TO_ALL)."""
+    if layout.ep_dispatch is not EpDispatch.ALL_TO_ALL:
+        return _scatter_latent(_routed_partial(x_TD, valid_T, p, layout=layout, act=act), layout)
+    between, inside = layout.exchange_axes
+    par = layout.parallel
+    lat_TL, ids_TK, w_TK = _route_own(x_TD, valid_T, p, layout)
+    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant)
+    return all_to_all_routed(lat_TL, ids_TK, w_TK, *experts, act,
+                             between=between, inside=inside, nodes=par.nodes,
+                             devices_per_node=par.ep // par.nodes,
+                             num_experts=layout.cfg.num_experts,
+                             first_expert=_first_expert(layout),
+                             emulated=layout.ragged_emulated, backend=layout.backend)
 
 
 def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     """Dispatch.OWN_ROWS: route own rows; all-gather lat/ids/weights over
-    ``layout.dispatch_axes`` ([T * n, .], n their size); run the experts held
-    here (global ids from ``first_expert`` under EP); reduce-scatter the float32
-    latent back to [T, L]; add the shared expert of own rows (replicated or
+    ``layout.dispatch_stages`` ([T * n, .], n the size of ``dispatch_axes``);
+    run the experts held here (global ids from ``first_expert`` under EP);
+    reduce-scatter the float32 latent back to [T, L] (or move rows and latent
+    by ragged all-to-all: ``_own_rows_latent``); add the shared expert of own rows (replicated or
     SP-sharded, which issues its own collectives over TENSOR; under
     SharedOverlap.WEIGHTS, shared_weights_local)."""
     shared = layout.shared_mlp
     if shared.mode is MlpMode.SP_SHARDED and shared.overlap is SharedOverlap.WEIGHTS:
         return shared_weights_local(x_TD, valid_T, p, layout=layout, act=act)
     with jax.named_scope(ROUTED_SCOPE):
-        r_TL = _routed_partial(x_TD, valid_T, p, layout=layout, act=act)
-        r_TL = _scatter_latent(r_TL, layout)
+        r_TL = _own_rows_latent(x_TD, valid_T, p, layout=layout, act=act)
         routed_TD = _latent_out(r_TL, p, layout.cfg, x_TD.dtype)
     with jax.named_scope(SHARED_SCOPE):
         shared_TD = mlp_local(shared)(x_TD, p["shared"], act, layout.backend)
@@ -238,8 +268,7 @@ def moe_rows_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
 
 
 def _scatter_latent(r_TL, layout: Layout):
-    axes = layout.dispatch_axes
-    return scatter_rows(r_TL, axes) if axes else r_TL
+    return scatter_staged(r_TL, layout.dispatch_stages)
 
 
 def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
@@ -260,12 +289,13 @@ def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
          gate/up gather's done before the router);
       4. all-gather down (gather_down); the shared gate/up + SiTU on own rows
          (the full gate/up die here, before the second grouped matmul's
-         buffers exist); the second grouped matmul; barrier: its output and
-         the gathered down -- the down gather is done right after it, so it
-         travels under it;
-      5. combine the pairs into the routed partial latent; the shared down
-         GEMM while the routed latent is reduce-scattered; the routed
-         latent's RMSNorm and up-projection, then the sum.
+         buffers exist); the second grouped matmul with the top-k combine
+         (experts_down_combined), its rows and the gathered down pinned in
+         one barrier between the two -- the down gather is done right after
+         the grouped matmul, so it travels under it;
+      5. the combine into the routed partial latent; the shared down GEMM
+         while the routed latent is reduce-scattered; the routed latent's
+         RMSNorm and up-projection, then the sum.
 
     The same ops as the replicated shared expert (situ_mlp's up, then down)
     and as routed_experts: same bits out."""
@@ -274,7 +304,7 @@ def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
         gate_DF, up_DF = gather_gate_up(w)
     with jax.named_scope(ROUTED_SCOPE):
         lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-        w1, w3, w2 = expert_weights(p, layout.experts)
+        w1, w3, w2 = expert_weights(p, layout.experts, layout.mxfp4_dequant)
         pairs = sort_pairs(ids_TK, w_TK, layout.local_experts, _first_expert(layout))
         h_PF = experts_up(lat_TL, pairs, w1, w3, act, layout.backend)
         h_PF, weights_P, x_shared_TD, gate_DF, up_DF, down_shard_FD = jax.lax.optimization_barrier(
@@ -285,9 +315,8 @@ def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
         h_shared_TF = situ_mlp_up(x_shared_TD, gate_DF, up_DF, beta=act.beta,
                                   linear_beta=act.linear_beta, backend=layout.backend)
     with jax.named_scope(ROUTED_SCOPE):
-        y_PL, down_FD = jax.lax.optimization_barrier(
-            (experts_down(h_PF, pairs, w2, layout.backend), down_FD))
-        r_TL = combine_pairs(y_PL, pairs, lat_TL.shape[0])
+        r_TL, down_FD = experts_down_combined(h_PF, pairs, w2, lat_TL.shape[0],
+                                              layout.backend, pinned=down_FD)
     with jax.named_scope(SHARED_SCOPE):
         shared_TD = matmul(h_shared_TF, down_FD, out_dtype=x_TD.dtype)
     with jax.named_scope(ROUTED_SCOPE):
@@ -299,8 +328,10 @@ def moe_tp_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     """Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated over TENSOR.
     TP: every expert's F split. EP over plain TP: the experts held here are
     whole (global ids from ``first_expert``); with dp > 1 lat/ids/weights are
-    first all-gathered over DATA ([T * dp, .], ``layout.dispatch_axes``) and
-    the float32 routed latent reduce-scattered back to [T, L] over DATA.
+    first all-gathered over the data axes ([T * dp, .], ``layout.dispatch_axes``,
+    in the stages of ``layout.dispatch_stages``: NODE first under
+    EpDispatch.HIERARCHICAL) and the float32 routed latent reduce-scattered
+    back to [T, L] over them.
     Then the float32 routed latent [T, L] (partial over F or over experts) and
     the shared expert's float32 partial [T, D] are summed over TENSOR in one
     all-reduce of [T, L + D]."""
