@@ -56,6 +56,16 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "ep_dp2_tp4": ParallelConfig(dp=2, tp=4, expert_parallel=True),
 }
 MULTI_DEVICE = [name for name in LAYOUTS if name != "single"]
+
+# Packed MXFP4 experts' compiled temporaries (tests/test_aot_layouts.py for the
+# XLA and Pallas backends, tests/test_compile_triton.py for Triton): K3's MoE
+# layer on this layout at most MXFP4_DECODE_TEMP_MAX bytes a device at
+# MXFP4_DECODE_TOKENS, and at most MXFP4_PREFILL_OVER_BF16 x the bf16
+# experts' at MXFP4_PREFILL_TOKENS.
+MXFP4_LAYOUT = "sp_ep_tp8_shard"
+MXFP4_DECODE_TOKENS, MXFP4_PREFILL_TOKENS = 16, 8192
+MXFP4_DECODE_TEMP_MAX = 0.1 * 2 ** 30
+MXFP4_PREFILL_OVER_BF16 = 1.1
 # Not one of the issue's layouts: vLLM's pre-fix padding under EP, for the padding tests.
 EXTRA_LAYOUTS: dict[str, ParallelConfig] = {
     "ep_dp8_pad_under_ep": ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True),

@@ -47,7 +47,16 @@ from k3jax.hlo_schedule import in_scope
 from k3jax.kernel_ptxas import TOKAMAX_PEER
 from k3jax.layout import ExpertStorage
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE, moe_decls
-from layout_cases import LAYOUTS, MULTI_DEVICE, UNOVERLAPPED
+from layout_cases import (
+    LAYOUTS,
+    MULTI_DEVICE,
+    MXFP4_DECODE_TEMP_MAX,
+    MXFP4_DECODE_TOKENS,
+    MXFP4_LAYOUT,
+    MXFP4_PREFILL_OVER_BF16,
+    MXFP4_PREFILL_TOKENS,
+    UNOVERLAPPED,
+)
 from pallas_kernels.mxfp4_words import deinterleave_words
 
 pytestmark = pytest.mark.compile
@@ -188,10 +197,6 @@ def test_a_tiny_model_fits():
 
 
 # -- packed MXFP4 experts: no copy of the codes, temporaries within the targets --------
-MXFP4_LAYOUT = "sp_ep_tp8_shard"
-MXFP4_DECODE_TOKENS, MXFP4_PREFILL_TOKENS = 16, 8192
-MXFP4_DECODE_TEMP_MAX = 0.1 * 2 ** 30     # bytes a device, MXFP4 experts at 16 tokens
-MXFP4_PREFILL_OVER_BF16 = 1.1             # MXFP4 / bf16 experts' temporaries at 8192
 # Pallas at 8192 holds the down projection's x (h, [P, F] bf16) twice: the
 # MXFP4 kernels take x in mxfp4_dequant.k_order, one XLA transpose of h
 # beside h, which XLA's heap packing does not overlap with the matmuls'
