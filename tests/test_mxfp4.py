@@ -328,3 +328,46 @@ def test_k_ordered_weights_are_the_stored_ones_permuted():
     narrow = Mxfp4Weights(w.packed_GNK[:, :64], w.scale_GKN[:, :, :64], w.dequant, 2)
     with pytest.raises(ValueError, match="multiple of 128"):
         narrow.validate("w2")
+
+
+def test_triton_dispatch_reads_k_ordered_weights_as_stored(monkeypatch):
+    """Triton's MXFP4 kernels read the codes as stored: the dispatch puts x
+    out of k_order for k_order_axis 1 and y into it for 2. A stand-in for
+    the kernels (the blocked XLA path on the stored weights) checks the
+    permutations without Triton."""
+    from pallas_kernels.grouped_matmul import api, blocked
+
+    class StandIn:
+        @staticmethod
+        def grouped_matmul_mxfp4(x, packed, scale, sizes):
+            return blocked.grouped_matmul(x, Mxfp4Weights(packed, scale, Mxfp4Dequant.EXACT), sizes)
+
+        @staticmethod
+        def grouped_situ_glu_mxfp4(x, pg, sg, pu, su, sizes, *, beta, linear_beta):
+            return blocked.grouped_situ_glu(x, Mxfp4Weights(pg, sg, Mxfp4Dequant.EXACT),
+                                            Mxfp4Weights(pu, su, Mxfp4Dequant.EXACT), sizes,
+                                            beta=beta, linear_beta=linear_beta)
+    monkeypatch.setattr(api, "triton_kernels", lambda: StandIn)
+    rng = np.random.default_rng(2)
+    g, k, n = 2, 128, 256
+
+    def weight(axis):
+        w = Mxfp4Weights.from_checkpoint(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8),
+                                         rng.integers(120, 130, (g, k // 32, n), dtype=np.uint8))
+        return Mxfp4Weights(jnp.asarray(w.packed_GNK), jnp.asarray(w.scale_GKN), w.dequant, axis)
+    x = jnp.asarray(rng.normal(size=(5, k)), jnp.float32)
+    sizes = jnp.array([3, 2], jnp.int32)
+    wg, wu = weight(2), weight(2)
+
+    def both(impl):   # "xla": the blocked path on the logical weights
+        return (api._grouped_matmul_forward(x, wg, sizes, impl),
+                api._grouped_situ_glu_forward(x, wg, wu, sizes, 1.0, None, impl))
+    for got, want in zip(both("triton"), both("xla")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    w2 = weight(1)   # [G, K = 128, N = 256] read in K order: x comes in k_order
+    x2 = jnp.asarray(rng.normal(size=(5, n)), jnp.float32)[:, :k]
+    got = api._grouped_matmul_forward(k_order(x2, 1), w2, sizes, "triton")
+    stored = Mxfp4Weights(w2.packed_GNK, w2.scale_GKN, w2.dequant)
+    np.testing.assert_allclose(np.asarray(got),
+                               np.asarray(blocked.grouped_matmul(x2, stored, sizes)),
+                               rtol=1e-5, atol=1e-5)
