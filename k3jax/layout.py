@@ -98,7 +98,7 @@ from k3jax.parallel_config import (
     padded_rows,
 )
 from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
-from pallas_kernels.mxfp4 import Mxfp4Dequant
+from pallas_kernels.mxfp4 import K_ORDER_CHUNK, Mxfp4Dequant
 
 
 class EpDispatchError(LayoutError):
@@ -183,6 +183,18 @@ class Layout:
     @property
     def local_experts(self) -> int:
         return self.cfg.num_experts // (self.parallel.ep)
+
+    @property
+    def mxfp4_k_order(self) -> bool:
+        """Whether the packed experts run in the Mosaic kernels' K order
+        (pallas_kernels.mxfp4.k_order): w1 / w3 with k_order_axis 2, w2 with
+        1, so h comes out of the gate/up in the order the down projection's
+        kernel takes, with no transposed copy of h. The Mosaic backends
+        (pallas, interpret) with each shard's F a multiple of 128; the
+        product is the same on every path."""
+        local_f = self.padded_moe_intermediate // self.expert_shards
+        return (self.experts.packed and self.backend in ("pallas", "interpret")
+                and local_f % K_ORDER_CHUNK == 0)
 
     @property
     def w13_ELF(self) -> P:

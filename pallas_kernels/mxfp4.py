@@ -37,6 +37,8 @@ passes through jit and shard_map like the arrays it holds; its ``dequant``
 (``Mxfp4Dequant``: FAST or EXACT) is static aux data, decided on the host
 from the stored scale bytes (``Mxfp4Dequant.of_scales``) once, when the
 weights are made or loaded: no compiled program reduces over the scales.
+Its ``k_order_axis`` (static too) may name one logical axis along which the
+weight is the stored one in ``k_order``, the Mosaic kernels' K order.
 """
 
 from __future__ import annotations
@@ -65,6 +67,34 @@ E2M1_VALUES.flags.writeable = False
 
 MIN_NORMAL_F32 = float(2.0 ** -126)
 """Results below it (in magnitude) flush to a signed zero."""
+
+K_ORDER_CHUNK = 128
+"""Elements ``k_order`` permutes among (the Mosaic MXFP4 kernels' K step)."""
+
+
+def k_order(x, axis: int = -1, *, inverse: bool = False):
+    """The Mosaic MXFP4 kernels' K order along ``axis`` (numpy or jax; its
+    size a multiple of K_ORDER_CHUNK): in each 128-element chunk, position
+    32b + 8j + 2l + L takes element 32l + 8b + 2j + L (l, b, j < 4, L < 2;
+    grouped_matmul/mxfp4_dequant.py says why). ``inverse`` undoes it."""
+    axis = axis % x.ndim
+    size = x.shape[axis]
+    if size % K_ORDER_CHUNK:
+        raise ValueError(f"k_order takes an axis of a multiple of {K_ORDER_CHUNK} elements, "
+                         f"got {size} (shape {tuple(x.shape)})")
+    lead, trail = x.shape[:axis], x.shape[axis + 1:]
+    a = len(lead) + 1                                    # the first of the chunk's 4 axes
+    # stored (l, b, j, L) -> (b, j, l, L); inverse: (b, j, l, L) -> (l, b, j, L)
+    order = (a + 2, a, a + 1, a + 3) if inverse else (a + 1, a + 2, a, a + 3)
+    perm = (*range(a), *order, *range(a + 4, a + 4 + len(trail)))
+    return x.reshape(*lead, size // K_ORDER_CHUNK, 4, 4, 4, 2, *trail).transpose(perm) \
+        .reshape(x.shape)
+
+
+def k_order_index(size: int) -> np.ndarray:
+    """int32 [size]: the element ``k_order`` puts at each position
+    (k_order(x)[..., c] = x[..., k_order_index(size)[c]])."""
+    return np.asarray(k_order(np.arange(size, dtype=np.int32)))
 
 
 # -- shape / dtype checks ----------------------------------------------------
@@ -268,6 +298,15 @@ class Mxfp4Weights:
       device: a FAST weight with another byte gives inexact results there);
       EXACT is right for any bytes. The Mosaic kernels pick their
       dequantization from it at trace time.
+    * k_order_axis (static): None, or the logical axis (1: K, 2: N, of a
+      multiple of K_ORDER_CHUNK elements) along which this weight is the
+      stored one in ``k_order``: w[g] = k_order(stored[g], axis - 1). With
+      1, x @ w[g] = x' @ stored[g] for x = k_order(x') (the Mosaic kernels
+      take x as it comes); with 2, x @ w[g] = k_order(x @ stored[g]) (the
+      row-major Mosaic kernel dequantizes the stored rows in that order).
+      Chained, the MoE's gate/up (2) makes h in the order its down
+      projection (1) takes: no transposed copy of h. ``expert`` and
+      ``dequantize`` apply it; no program permutes the codes.
 
     Every kernel reads the word layout in place: no program holds a
     reordered copy of the codes (``checkpoint_codes`` is one, for tests and
@@ -277,10 +316,14 @@ class Mxfp4Weights:
     packed_GNK: jax.Array
     scale_GKN: jax.Array
     dequant: Mxfp4Dequant = dataclasses.field(metadata=dict(static=True))
+    k_order_axis: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         if not isinstance(self.dequant, Mxfp4Dequant):
             raise ValueError(f"Mxfp4Weights: dequant must be an Mxfp4Dequant, got {self.dequant!r}")
+        if self.k_order_axis not in (None, 1, 2):
+            raise ValueError(f"Mxfp4Weights: k_order_axis must be None, 1 (K) or 2 (N), got "
+                             f"{self.k_order_axis!r}")
 
     @classmethod
     def from_checkpoint(cls, packed_GNK, scale_GKN) -> Mxfp4Weights:
@@ -321,6 +364,9 @@ class Mxfp4Weights:
             raise ValueError(f"{name}: MXFP4 packed_GNK {packed.shape} needs K/2 a multiple of "
                              f"{BLOCK_SIZE // 2} and scale_GKN [G, K/{BLOCK_SIZE}, N] = "
                              f"{[g, 2 * half_k // BLOCK_SIZE, n]}, got {list(scale.shape)}")
+        if self.k_order_axis is not None and self.shape[self.k_order_axis] % K_ORDER_CHUNK:
+            raise ValueError(f"{name}: k_order_axis {self.k_order_axis} needs that axis a "
+                             f"multiple of {K_ORDER_CHUNK}, got shape {self.shape}")
 
     def expert(self, g: jax.Array | int, dtype) -> jax.Array:
         """Group ``g``'s weight [K, N] in ``dtype`` (g may be traced)."""
@@ -329,13 +375,16 @@ class Mxfp4Weights:
         scale_KN = jax.lax.dynamic_index_in_dim(self.scale_GKN, g, 0, keepdims=False)
         # The uint8 codes are turned, not the dequantized [N, K] (4x the bytes):
         # XLA reads them transposed inside the dequant's fusion.
-        return dequant(packed_NK.T, scale_KN, dtype, axis=0)
+        w_KN = dequant(packed_NK.T, scale_KN, dtype, axis=0)
+        return w_KN if self.k_order_axis is None else k_order(w_KN, self.k_order_axis - 1)
 
     def dequantize(self, dtype) -> jax.Array:
         """Every group [G, K, N] in ``dtype`` (for tests and small shapes only)."""
-        return jax.vmap(lambda p, s: dequant(p.T, s, dtype, axis=0))(self.checkpoint_codes(),
-                                                                     self.scale_GKN)
+        w = jax.vmap(lambda p, s: dequant(p.T, s, dtype, axis=0))(self.checkpoint_codes(),
+                                                                  self.scale_GKN)
+        return w if self.k_order_axis is None else k_order(w, self.k_order_axis)
 
 
-__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "MIN_NORMAL_F32", "SCALE_NAN", "Mxfp4Dequant", "Mxfp4Weights",
-           "check_shapes", "dequant", "dequant_numpy", "encode", "validate_scales"]
+__all__ = ["BLOCK_SIZE", "E2M1_VALUES", "K_ORDER_CHUNK", "MIN_NORMAL_F32", "SCALE_NAN",
+           "Mxfp4Dequant", "Mxfp4Weights", "check_shapes", "dequant", "dequant_numpy", "encode",
+           "k_order", "k_order_index", "validate_scales"]

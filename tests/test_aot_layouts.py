@@ -197,14 +197,9 @@ def test_a_tiny_model_fits():
 
 
 # -- packed MXFP4 experts: no copy of the codes, temporaries within the targets --------
-# Pallas at 8192 holds the down projection's x (h, [P, F] bf16) twice: the
-# MXFP4 kernels take x in mxfp4_dequant.k_order, one XLA transpose of h
-# beside h, which XLA's heap packing does not overlap with the matmuls'
-# other buffers (k3jax compile, SP+EP: 2.62 GiB against bf16's 1.95, 1.34x;
-# with the transpose dropped, 2.10 GiB, 1.07x). The fix is the gate/up
-# kernel writing h in that order; until then this target fails here.
-_K_ORDER_COPY = ("the MXFP4 kernels take the down projection's x in mxfp4_dequant.k_order: "
-                 "one XLA transpose of h [P, F] beside h (1.07x bf16 without it)")
+# Pallas at 8192: the gate/up kernel writes h in the K order the down
+# kernel takes (Layout.mxfp4_k_order), so no transposed copy of h sits
+# beside it (with one, 2.62 GiB against bf16's 1.95, 1.34x).
 _PACKED_KEEP = ("parameter", "bitcast", "get-tuple-element", "tuple")
 
 
@@ -274,8 +269,7 @@ def test_mxfp4_temporaries_at_decode_are_within_the_target(backend, tokens):
 
 @pytest.mark.parametrize("backend,tokens", [
     _mxfp4_case("xla", MXFP4_PREFILL_TOKENS),
-    _mxfp4_case("pallas", MXFP4_PREFILL_TOKENS,
-                pytest.mark.xfail(strict=True, reason=_K_ORDER_COPY))])
+    _mxfp4_case("pallas", MXFP4_PREFILL_TOKENS)])
 def test_mxfp4_temporaries_at_prefill_are_within_the_bf16_target(backend, tokens):
     par = LAYOUTS[MXFP4_LAYOUT]
     mxfp4 = report(K3, par, MOE, tokens, backend).per_device_bytes["temporaries"]

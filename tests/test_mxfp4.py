@@ -18,6 +18,8 @@ from pallas_kernels.mxfp4 import (
     dequant,
     dequant_numpy,
     encode,
+    k_order,
+    k_order_index,
     validate_scales,
 )
 from pallas_kernels.mxfp4_fast import FAST_SCALES
@@ -275,3 +277,97 @@ def test_weights_carry_the_dequant_as_static_aux_data():
     assert traced == [Mxfp4Dequant.FAST, Mxfp4Dequant.EXACT]
     with pytest.raises(ValueError, match="dequant must be an Mxfp4Dequant, got True"):
         Mxfp4Weights(w.packed_GNK, w.scale_GKN, True)
+
+
+# -- the Mosaic kernels' K order (k_order, Mxfp4Weights.k_order_axis) ----------
+
+def test_k_order_is_the_fragments_column_order_and_inverts():
+    """Position 32b + 8j + 2l + L of each 128-chunk takes element
+    32l + 8b + 2j + L, on any axis; inverse undoes it; the index is the
+    same permutation."""
+    idx = k_order_index(256)
+    for c in range(256):
+        b, j, l, lo = (c % 128) >> 5, (c >> 3) & 3, (c >> 1) & 3, c & 1
+        assert idx[c] == 128 * (c // 128) + 32 * l + 8 * b + 2 * j + lo
+    x = np.random.default_rng(0).normal(size=(3, 256, 5)).astype(np.float32)
+    np.testing.assert_array_equal(k_order(x, 1), x[:, idx])
+    np.testing.assert_array_equal(k_order(k_order(x, 1), 1, inverse=True), x)
+    np.testing.assert_array_equal(np.asarray(k_order(jnp.asarray(x), 1)), x[:, idx])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        k_order(np.zeros((3, 96)))
+
+
+def test_k_ordered_weights_are_the_stored_ones_permuted():
+    """k_order_axis 1 / 2: expert and dequantize give the stored weight in
+    k_order along K / N, the blocked XLA path computes with it, and a
+    weight whose axis is not whole 128-chunks is refused."""
+    from pallas_kernels import grouped_matmul
+    rng = np.random.default_rng(1)
+    g, k, n = 2, 256, 128
+    w = Mxfp4Weights.from_checkpoint(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8),
+                                     rng.integers(120, 130, (g, k // 32, n), dtype=np.uint8))
+    w = Mxfp4Weights(jnp.asarray(w.packed_GNK), jnp.asarray(w.scale_GKN), w.dequant)
+    dense = np.asarray(w.dequantize(jnp.float32))
+    x = jnp.asarray(rng.normal(size=(6, k)), jnp.float32)
+    sizes = jnp.array([4, 2], jnp.int32)
+    want = np.asarray(grouped_matmul(x, w, sizes, backend="xla"))
+    for axis in (1, 2):
+        wk = Mxfp4Weights(w.packed_GNK, w.scale_GKN, w.dequant, axis)
+        wk.validate("w")
+        np.testing.assert_array_equal(np.asarray(wk.dequantize(jnp.float32)),
+                                      np.take(dense, k_order_index(dense.shape[axis]), axis))
+        np.testing.assert_array_equal(np.asarray(wk.expert(1, jnp.float32)),
+                                      np.take(dense[1], k_order_index(dense.shape[axis]),
+                                              axis - 1))
+        xk = k_order(x, 1) if axis == 1 else x
+        got = np.asarray(grouped_matmul(xk, wk, sizes, backend="xla"))
+        np.testing.assert_allclose(got, want if axis == 1 else want[:, k_order_index(n)],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="k_order_axis"):
+        Mxfp4Weights(w.packed_GNK, w.scale_GKN, w.dequant, 0)
+    narrow = Mxfp4Weights(w.packed_GNK[:, :64], w.scale_GKN[:, :, :64], w.dequant, 2)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        narrow.validate("w2")
+
+
+def test_triton_dispatch_reads_k_ordered_weights_as_stored(monkeypatch):
+    """Triton's MXFP4 kernels read the codes as stored: the dispatch puts x
+    out of k_order for k_order_axis 1 and y into it for 2. A stand-in for
+    the kernels (the blocked XLA path on the stored weights) checks the
+    permutations without Triton."""
+    from pallas_kernels.grouped_matmul import api, blocked
+
+    class StandIn:
+        @staticmethod
+        def grouped_matmul_mxfp4(x, packed, scale, sizes):
+            return blocked.grouped_matmul(x, Mxfp4Weights(packed, scale, Mxfp4Dequant.EXACT), sizes)
+
+        @staticmethod
+        def grouped_situ_glu_mxfp4(x, pg, sg, pu, su, sizes, *, beta, linear_beta):
+            return blocked.grouped_situ_glu(x, Mxfp4Weights(pg, sg, Mxfp4Dequant.EXACT),
+                                            Mxfp4Weights(pu, su, Mxfp4Dequant.EXACT), sizes,
+                                            beta=beta, linear_beta=linear_beta)
+    monkeypatch.setattr(api, "triton_kernels", lambda: StandIn)
+    rng = np.random.default_rng(2)
+    g, k, n = 2, 128, 256
+
+    def weight(axis):
+        w = Mxfp4Weights.from_checkpoint(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8),
+                                         rng.integers(120, 130, (g, k // 32, n), dtype=np.uint8))
+        return Mxfp4Weights(jnp.asarray(w.packed_GNK), jnp.asarray(w.scale_GKN), w.dequant, axis)
+    x = jnp.asarray(rng.normal(size=(5, k)), jnp.float32)
+    sizes = jnp.array([3, 2], jnp.int32)
+    wg, wu = weight(2), weight(2)
+
+    def both(impl):   # "xla": the blocked path on the logical weights
+        return (api._grouped_matmul_forward(x, wg, sizes, impl),
+                api._grouped_situ_glu_forward(x, wg, wu, sizes, 1.0, None, impl))
+    for got, want in zip(both("triton"), both("xla")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    w2 = weight(1)   # [G, K = 128, N = 256] read in K order: x comes in k_order
+    x2 = jnp.asarray(rng.normal(size=(5, n)), jnp.float32)[:, :k]
+    got = api._grouped_matmul_forward(k_order(x2, 1), w2, sizes, "triton")
+    stored = Mxfp4Weights(w2.packed_GNK, w2.scale_GKN, w2.dequant)
+    np.testing.assert_allclose(np.asarray(got),
+                               np.asarray(blocked.grouped_matmul(x2, stored, sizes)),
+                               rtol=1e-5, atol=1e-5)

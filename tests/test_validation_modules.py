@@ -123,6 +123,29 @@ def test_expert_weights_follow_the_declared_storage():
         expert_weights(packed, ExpertStorage.MXFP4, None)
     with pytest.raises(ValueError, match="DENSE experts take dequant None"):
         expert_weights(dense, ExpertStorage.DENSE, Mxfp4Dequant.EXACT)
+    assert {w.k_order_axis for w in (w1, w3, w2)} == {None}
+    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4, Mxfp4Dequant.FAST, k_order=True)
+    assert (w1.k_order_axis, w3.k_order_axis, w2.k_order_axis) == (2, 2, 1)
+    assert w1.packed_GNK is packed["w1_packed_EFL"] and w2.scale_GKN is packed["w2_scale_EFL"]
+
+
+def test_packed_experts_run_in_k_order_on_the_mosaic_backends_only():
+    """Layout.mxfp4_k_order: packed experts on pallas / interpret whose
+    per-shard F is whole 128-chunks (K3 under EP and TP 8), never on xla /
+    triton, dense experts, or TINY's F of 64."""
+    from k3jax import K3
+    par = ParallelConfig(tp=8, sequence_parallel=True, expert_parallel=True)
+    mesh = abstract_mesh(par)
+    for backend, want in (("pallas", True), ("interpret", True), ("xla", False),
+                          ("triton", False)):
+        lay = make_layout(K3, par, mesh, backend=backend, experts=ExpertStorage.MXFP4)
+        assert lay.mxfp4_k_order is want, backend
+    tp = ParallelConfig(tp=8)
+    assert make_layout(K3, tp, abstract_mesh(tp), backend="pallas",
+                       experts=ExpertStorage.MXFP4).mxfp4_k_order
+    assert not make_layout(K3, par, mesh, backend="pallas").mxfp4_k_order
+    assert not make_layout(TINY, ParallelConfig(), backend="interpret",
+                           experts=ExpertStorage.MXFP4).mxfp4_k_order
 
 
 def test_packed_experts_dequant_is_the_layouts_and_random_scales_allow_fast():

@@ -165,21 +165,24 @@ def _swap_last(spec: P, ndim: int) -> P:
     return P(*entries)
 
 
-def expert_weights(p: dict, experts: ExpertStorage, dequant: Mxfp4Dequant | None
-                   ) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+def expert_weights(p: dict, experts: ExpertStorage, dequant: Mxfp4Dequant | None,
+                   k_order: bool = False) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
     """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
     arrays as stored (DENSE, MXFP4_DEQUANT; ``dequant`` None), or
     Mxfp4Weights of the packed codes [E, out, in/2] and scales [E, in/32,
     out] with the static ``dequant`` their scale bytes allow
     (Layout.mxfp4_dequant; MXFP4: the grouped matmuls dequantize them, one
-    active expert at a time, to the activations' dtype)."""
+    active expert at a time, to the activations' dtype). ``k_order``
+    (Layout.mxfp4_k_order): w1 / w3 with k_order_axis 2 and w2 with 1, the
+    same products with h in the Mosaic kernels' K order between them."""
     if (dequant is not None) is not experts.packed:
         raise ValueError(f"expert_weights: {experts} experts take dequant "
                          f"{'an Mxfp4Dequant' if experts.packed else 'None'}, got {dequant!r}")
     if not experts.packed:
         return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
-    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]], dequant)
-                 for w in ("w1", "w3", "w2"))
+    axes = {"w1": 2, "w3": 2, "w2": 1} if k_order else {}
+    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]], dequant,
+                              axes.get(w)) for w in ("w1", "w3", "w2"))
 
 
 # -- per-device bodies (inside shard_map) --------------------------------------
@@ -225,7 +228,7 @@ def _routed_partial(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     from ``first_expert``), unreduced over ``layout.dispatch_axes`` (n their
     size, 1 without): lat/ids/weights are all-gathered over them first."""
     lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant)
+    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
     return routed_experts(lat_TL, ids_TK, w_TK, *experts, act,
                           first_expert=_first_expert(layout), backend=layout.backend)
 
@@ -239,7 +242,7 @@ def _own_rows_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     between, inside = layout.exchange_axes
     par = layout.parallel
     lat_TL, ids_TK, w_TK = _route_own(x_TD, valid_T, p, layout)
-    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant)
+    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
     return all_to_all_routed(lat_TL, ids_TK, w_TK, *experts, act,
                              between=between, inside=inside, nodes=par.nodes,
                              devices_per_node=par.ep // par.nodes,
@@ -304,7 +307,7 @@ def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
         gate_DF, up_DF = gather_gate_up(w)
     with jax.named_scope(ROUTED_SCOPE):
         lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-        w1, w3, w2 = expert_weights(p, layout.experts, layout.mxfp4_dequant)
+        w1, w3, w2 = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
         pairs = sort_pairs(ids_TK, w_TK, layout.local_experts, _first_expert(layout))
         h_PF = experts_up(lat_TL, pairs, w1, w3, act, layout.backend)
         h_PF, weights_P, x_shared_TD, gate_DF, up_DF, down_shard_FD = jax.lax.optimization_barrier(

@@ -19,7 +19,10 @@ weights, exactly for EXACT ones; bf16 or float32 x), Triton's in-kernel
 dequantization on "triton", and the blocked path on "xla" (one active group
 dequantized at a time inside its loop; also when only one of the fused pair
 is MXFP4). Every path reads the codes in place: no program holds a
-reordered copy of the packed weights.
+reordered copy of the packed weights. A weight's k_order_axis (the Mosaic
+kernels' K order along K or N, Mxfp4Weights) holds on every path: the
+Mosaic kernels take it in place, the blocked path in each dequantized
+expert, Triton's by permuting x or y in XLA.
 
 Differentiable in x and the (float) weights on every backend through
 vjp.py's jax.custom_vjp (on "xla": dx by the blocked scan contracting the
@@ -38,12 +41,13 @@ from pallas_kernels.backend import Backend, resolve_backend
 from pallas_kernels.grouped_matmul import (
     blocked,
     mosaic_sm90,
+    mosaic_sm90_mxfp4,
     mosaic_sm90_swap_ab,
     mxfp4_vjp,
     tile_choice,
     vjp,
 )
-from pallas_kernels.mxfp4 import Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Weights, k_order
 from pallas_kernels.selfcheck import gate as selfcheck
 from pallas_kernels.situ import check_betas
 
@@ -113,8 +117,9 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
     """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if isinstance(w_GKN, Mxfp4Weights):
         if impl == "triton":   # in-kernel dequantization (W4A16) of the word layout, in place
-            return triton_kernels().grouped_matmul_mxfp4(x_MK, w_GKN.packed_GNK,
-                                                         w_GKN.scale_GKN, group_sizes_G)
+            x_MK = _triton_x(x_MK, [w_GKN])
+            return _triton_y(triton_kernels().grouped_matmul_mxfp4(
+                x_MK, w_GKN.packed_GNK, w_GKN.scale_GKN, group_sizes_G), [w_GKN])
         # pallas / interpret: in-kernel dequant + bf16 WGMMA (W4A16); xla: blocked
         return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl)
     if impl == "xla":
@@ -144,6 +149,9 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     if w_gate_GKN.shape != w_up_GKN.shape:
         raise ValueError(
             f"w_gate_GKN shape {w_gate_GKN.shape} != w_up_GKN shape {w_up_GKN.shape}")
+    orders = {getattr(w, "k_order_axis", None) for w in (w_gate_GKN, w_up_GKN)}
+    if len(orders) != 1:
+        raise ValueError(f"w_gate_GKN and w_up_GKN must share k_order_axis, got {orders}")
     check_betas(beta, linear_beta)
     impl = selfcheck.grouped("grouped_situ_glu", x_MK, w_gate_GKN, resolve_backend(backend),
                              beta, linear_beta)
@@ -160,10 +168,11 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
     """The forward dispatch of grouped_situ_glu (validated inputs, resolved backend)."""
     packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
     if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16), word layout
-        return triton_kernels().grouped_situ_glu_mxfp4(
-            x_MK, w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN,
+        pair = [w_gate_GKN, w_up_GKN]
+        return _triton_y(triton_kernels().grouped_situ_glu_mxfp4(
+            _triton_x(x_MK, pair), w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN,
             w_up_GKN.packed_GNK, w_up_GKN.scale_GKN, group_sizes_G, beta=beta,
-            linear_beta=linear_beta)
+            linear_beta=linear_beta), pair)
     if all(packed) and impl in mxfp4_vjp.IMPLS:   # kernel dequant + bf16 WGMMA, or blocked
         return mxfp4_vjp.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta,
                                           linear_beta, impl)
@@ -181,6 +190,18 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
     return mosaic_sm90.grouped_situ_glu(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G,
                                         beta=beta, linear_beta=linear_beta,
                                         interpret=impl == "interpret")
+
+
+def _triton_x(x_MK, weights: list[Mxfp4Weights]):
+    """x for Triton's MXFP4 kernels, which read the weights as stored: out
+    of k_order for weights of k_order_axis 1."""
+    axis = mosaic_sm90_mxfp4.k_order_axis(weights)
+    return k_order(x_MK, 1, inverse=True) if axis == 1 else x_MK
+
+
+def _triton_y(y_MN, weights: list[Mxfp4Weights]):
+    """y of Triton's MXFP4 kernels in k_order for weights of k_order_axis 2."""
+    return k_order(y_MN, 1) if mosaic_sm90_mxfp4.k_order_axis(weights) == 2 else y_MN
 
 
 def swap_ab_config(x_MK, w_GKN, num_weights: int) -> mosaic_sm90_swap_ab.SwapABConfig | None:

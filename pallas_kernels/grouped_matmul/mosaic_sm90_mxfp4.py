@@ -34,6 +34,12 @@ reads the pipeline's x tile as it lands):
     sequence's bit permutation alone (inline PTX, 8 integer instructions a
     word) to put each code's bits in place, and the decode below turns
     them into exact bf16, the same tile and K order as the fast kernel's.
+Weights in K order (Mxfp4Weights.k_order_axis, static): with 1 (K) x is
+taken as it comes, already in k_order (the MoE's h, made so by its gate/up);
+with 2 (N) the fast kernel at block_n 128 dequantizes each 128-row block's
+rows in k_order (mxfp4_dequant.fast_chunk's n_chunk), so the product's
+columns come out in it; the exact kernel, or a narrower N block, puts the
+product in k_order in XLA instead.
 Keeping the exact path out of the fast kernel's K loop matters: a per-step
 branch to it makes ptxas serialize the WGMMAs (C7519) and spill the fused tile.
 
@@ -137,15 +143,24 @@ def dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool)
             w_smem[row_chunk, pl.ds(word * cols, cols)] = dequant_code_bits(codes, bits)
 
 
-def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool) -> None:
+def fast_dequant_tile(packed_smem, scale_smem, w_smem, block_n: int, interpret: bool,
+                      n_k_order: bool = False) -> None:
     """dequant_tile's result by the fast sequence (mxfp4_dequant.fast_chunk),
     64 rows at a time, unrolled: exact when every scale byte of the step is
-    in mxfp4_fast.FAST_SCALES."""
+    in mxfp4_fast.FAST_SCALES. ``n_k_order`` (block_n a multiple of 128):
+    each 128-row block's rows in mxfp4.k_order (tile row c holds weight row
+    k_order_index(128)[c] of its block)."""
     rows = mxfp4_dequant.ROWS
     for r in range(block_n // rows):
         row_chunk = pl.ds(r * rows, rows)
-        w_smem[row_chunk, :] = mxfp4_dequant.fast_chunk(packed_smem.at[row_chunk, :],
-                                                        scale_smem.at[:, row_chunk], interpret)
+        if n_k_order:
+            block = pl.ds((r // 2) * 2 * rows, 2 * rows)
+            chunk = mxfp4_dequant.fast_chunk(packed_smem.at[block, :], scale_smem.at[:, block],
+                                             interpret, n_chunk=r % 2)
+        else:
+            chunk = mxfp4_dequant.fast_chunk(packed_smem.at[row_chunk, :],
+                                             scale_smem.at[:, row_chunk], interpret)
+        w_smem[row_chunk, :] = chunk
 
 
 def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline:
@@ -163,12 +178,13 @@ def pipeline(cfg: sm90.TileConfig, num_w: int, planes: int) -> skeleton.Pipeline
 
 def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileConfig,
                num_rows: int, num_k_steps: int, num_n_blocks: int, out_dtype,
-               fast: bool, interpret: bool):
+               fast: bool, interpret: bool, n_k_order: bool = False):
     """Kernel body(meta_4W, *x_planes_MK, (packed_GNK, scale_GKN) * num_w, o_MN).
 
     The row-major loop (split_k = 1, tiles drain) with the weight operand
     dequantized per K step into a bf16 SMEM tile per consumer warpgroup and
-    weight: by fast_dequant_tile (``fast``) or dequant_tile."""
+    weight: by fast_dequant_tile (``fast``; ``n_k_order``: its rows in
+    k_order) or dequant_tile."""
     wg_m = cfg.wg_block_m
     scratch = {
         "o_smem": plgpu.SMEM((cfg.num_compute_wgs, wg_m, cfg.block_n), out_dtype),
@@ -210,7 +226,8 @@ def _make_body(*, epilogue: Callable, num_w: int, planes: int, cfg: sm90.TileCon
                 for i, (acc, (packed_smem, scale_smem)) in enumerate(zip(accs, w_refs)):
                     tile = w_smem.at[wg * num_w + i]
                     if fast:
-                        fast_dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
+                        fast_dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret,
+                                          n_k_order)
                     else:
                         dequant_tile(packed_smem, scale_smem, tile, cfg.block_n, interpret)
                     plgpu.commit_smem()   # the dequantized tile, visible to WGMMA
@@ -334,6 +351,15 @@ def pad_weight(w: Mxfp4Weights, k_pad: int, n_pad: int) -> tuple[jax.Array, jax.
     return packed, scale
 
 
+def k_order_axis(weights: list[Mxfp4Weights]) -> int | None:
+    """The launch's weights' common Mxfp4Weights.k_order_axis (ValueError
+    when a fused pair disagrees)."""
+    axes = {w.k_order_axis for w in weights}
+    if len(axes) != 1:
+        raise ValueError(f"MXFP4 weights of one launch must share k_order_axis, got {axes}")
+    return axes.pop()
+
+
 def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int, n_pad: int,
                     planes: int) -> tuple[list[jax.Array], list[jax.Array]]:
     """(x planes [rows, k_pad] in mxfp4_dequant.k_order, (packed, scale) per
@@ -341,9 +367,11 @@ def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int,
     exact, stream (planes 2: float32 x as hi + lo bf16). The codes stay in
     the word layout they are held in (no copy for K3 shapes, which need no
     padding); x's permutation is one XLA transpose (M x K bf16, small beside
-    the weights at decode)."""
+    the weights at decode), none for weights of k_order_axis 1, whose x comes
+    in that order (K a multiple of 128: no padding)."""
     x_pad = tiling.pad_axis(tiling.pad_axis(x_MK, 0, rows), 1, k_pad)
-    x_planes = [mxfp4_dequant.k_order(p)
+    ordered = k_order_axis(weights) == 1
+    x_planes = [p if ordered else mxfp4_dequant.k_order(p)
                 for p in (tiling.split_bf16(x_pad) if planes == 2 else [x_pad])]
     w_refs = [a for w in weights for a in pad_weight(w, k_pad, n_pad)]
     return x_planes, w_refs
@@ -352,11 +380,15 @@ def kernel_operands(x_MK, weights: list[Mxfp4Weights], *, rows: int, k_pad: int,
 def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
               cfg: sm90.TileConfig | None, interpret, fast: bool) -> jax.Array:
     """One launch of the fast (``fast``) or the exact kernel: pad, put x in
-    the kernel's K order, build the schedule, run it. y [m, n] in x's dtype."""
+    the kernel's K order, build the schedule, run it. y [m, n] in x's dtype
+    (in k_order for weights of k_order_axis 2: in the kernel when fast at
+    block_n 128, else by XLA)."""
     m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, weights)
     out_dtype = x_MK.dtype
     launch = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
     cfg = launch.cfg
+    n_ordered = k_order_axis(weights) == 2
+    in_kernel = n_ordered and fast and cfg.block_n % mxfp4_dequant.K_STEP == 0
     x_planes, w_refs = kernel_operands(x_MK, weights, rows=launch.m_pad, k_pad=launch.k_pad,
                                        n_pad=launch.n_pad, planes=launch.planes)
     meta_4W = schedule(group_sizes_G, m, cfg.block_m)
@@ -364,14 +396,15 @@ def row_major(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
     body = _make_body(epilogue=epilogue, num_w=num_w, planes=launch.planes, cfg=cfg,
                       num_rows=m, num_k_steps=launch.num_k_steps,
                       num_n_blocks=launch.num_n_blocks, out_dtype=out_dtype, fast=fast,
-                      interpret=bool(interpret))
+                      interpret=bool(interpret), n_k_order=in_kernel)
     variant = "mxfp4" if fast else "mxfp4_exact"
     kernel = skeleton.launch(
         body, out_type=jax.ShapeDtypeStruct((m, launch.n_pad), out_dtype),
         grid=(cfg.num_ctas or skeleton.num_sms(interpret),), interpret=interpret,
         num_compute_wgs=cfg.num_compute_wgs, kernel_name=f"{name}_{variant}_m{cfg.block_m}")
     y_MN = kernel(meta_4W, *x_planes, *w_refs)
-    return y_MN if launch.n_pad == n else y_MN[:, :n]
+    y_MN = y_MN if launch.n_pad == n else y_MN[:, :n]
+    return mxfp4_dequant.k_order(y_MN) if n_ordered and not in_kernel else y_MN
 
 
 def all_fast(weights: list[Mxfp4Weights]) -> bool:

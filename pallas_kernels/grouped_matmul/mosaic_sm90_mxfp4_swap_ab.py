@@ -32,7 +32,10 @@ Output: as mosaic_sm90_swap_ab, each tile writes its transposed tile to its
 own columns of out^T [n_pad, W * block_t] (item w owns [w * block_t, (w + 1)
 * block_t)); XLA gathers y [M, N] (schedule.row_columns) and sets rows past
 sum(sizes) to 0. float32 x runs as two bf16 planes against the one exact
-bf16 weight fragment (two WGMMAs per K step).
+bf16 weight fragment (two WGMMAs per K step). Weights in K order
+(Mxfp4Weights.k_order_axis): with 1, x is taken as it comes
+(row_major_mxfp4.kernel_operands); with 2, that gather takes y's columns
+in k_order (decode sizes: y is small).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from pallas_kernels.grouped_matmul.schedule import (
     schedule,
     x_rows,
 )
-from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights
+from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Weights, k_order_index
 from pallas_kernels.situ import situ_glu_f32
 
 BLOCK_K = row_major_mxfp4.BLOCK_K
@@ -255,7 +258,7 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
                  cfg: Mxfp4SwapABConfig | None, interpret) -> jax.Array:
     """One launch of this kernel (fast sequence only: every scale byte must
     be in FAST_SCALES): pad, K-order x, run, gather y [m, n] (rows past
-    sum(sizes) are 0)."""
+    sum(sizes) are 0; columns in k_order for weights of k_order_axis 2)."""
     m, k, n, num_groups, num_w = skeleton.launch_dims(x_MK, weights)
     out_dtype = x_MK.dtype
     plan = plan_launch(m, k, n, num_groups, num_w, out_dtype, cfg)
@@ -273,7 +276,10 @@ def swap_ab_fast(x_MK, weights: list[Mxfp4Weights], group_sizes_G, *, epilogue,
         kernel_name=f"{name}_mxfp4_swap_ab_t{block_t}")
     o_T = kernel(meta_4W, *x_planes, *w_refs)
     col_M, valid_M = row_columns(meta_4W, m, block_t)
-    y_MN = jnp.take(o_T[:n], col_M, axis=1, mode="clip").T
+    rows_T = o_T[:n]
+    if row_major_mxfp4.k_order_axis(weights) == 2:
+        rows_T = jnp.take(rows_T, k_order_index(n), axis=0)
+    y_MN = jnp.take(rows_T, col_M, axis=1, mode="clip").T
     return jnp.where(valid_M[:, None], y_MN, 0).astype(out_dtype)
 
 

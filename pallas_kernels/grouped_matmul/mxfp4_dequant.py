@@ -22,11 +22,18 @@ its output j (K elements 32l + 8b + 2j, +1) is register column 4b + j.
 
 Result. ``a`` is bf16 [64, 128] in plgpu.Layout.WGMMA whose column
 c = 32b + 8j + 2l + L holds K element 32l + 8b + 2j + L of the step
-(``k_order`` puts x in the same order). It is both what the row-major kernel
-stores as its weight tile and the register A operand of the swap-AB
-kernel's WGMMA. Exact for scale bytes in mxfp4_fast.FAST_SCALES only:
+(``k_order``, pallas_kernels.mxfp4's, puts x in the same order). It is
+both what the row-major kernel stores as its weight tile and the register A
+operand of the swap-AB kernel's WGMMA. Exact for scale bytes in mxfp4_fast.FAST_SCALES only:
 weights with any other byte (Mxfp4Weights.dequant EXACT) run the exact
 kernel instead.
+
+Rows in K order. With ``n_chunk`` (0 or 1) the operands hold a 128-row N
+block (codes [128, 64], scales [4, 128]) and fragment row i holds weight row
+k_order_index(128)[64 n_chunk + i] (``source_row``): a tile of both chunks
+is the block's rows in k_order, so the product's columns come out in it
+(Mxfp4Weights.k_order_axis 2). Each thread computes its two source rows
+by shifts, masks and ors of its row index; nothing else changes.
 
 Exact kernel. ``code_bits_piece`` loads word ``word`` (bytes 16l + 4 word
 .. + 3, one 4-byte load) of each of a thread's two rows and runs
@@ -42,7 +49,6 @@ decodes them in Pallas ops (mosaic_sm90_mxfp4.dequant_code_bits).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -53,12 +59,15 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 from pallas_kernels import mxfp4_fast as fast
+from pallas_kernels.mxfp4 import K_ORDER_CHUNK, k_order, k_order_index
 from pallas_kernels.mxfp4_words import words_of
 
 WARPGROUP_THREADS = 128
 ROWS = 64                  # weight rows a chunk holds (one WGMMA row tile)
 BYTES = 64                 # code bytes a row of a K step holds (BLOCK_K / 2)
 K_STEP = 2 * BYTES         # K elements of a step
+if K_STEP != K_ORDER_CHUNK:   # the fragment's column order is mxfp4.k_order's chunk
+    raise AssertionError(f"K step {K_STEP} != mxfp4.K_ORDER_CHUNK {K_ORDER_CHUNK}")
 _THREAD_BYTES = 16         # code bytes of a row a thread loads (one scale block)
 _WORDS = _THREAD_BYTES // 4
 _OUTPUTS = len(fast.OUTPUTS["SEQUENCE"])   # bf16x2 registers a word becomes
@@ -88,15 +97,6 @@ _SCALE_ASM = fast.ptx(fast.SCALE_SEQUENCE, fast.INPUTS["SCALE_SEQUENCE"],
                       fast.OUTPUTS["SCALE_SEQUENCE"])
 
 
-def k_order(x_MK: jax.Array) -> jax.Array:
-    """x [M, K] (K a multiple of 128) -> the fragment's K order: in each
-    128-element chunk, column 32b + 8j + 2l + L takes element 32l + 8b + 2j + L
-    (l, b, j < 4, L < 2; module docstring)."""
-    m, k = x_MK.shape
-    x = x_MK.reshape(m, k // K_STEP, 4, 4, 4, 2)       # (l, b, j, L) of each chunk
-    return x.transpose(0, 1, 3, 4, 2, 5).reshape(m, k)   # -> (b, j, l, L)
-
-
 def _i32(x: int):
     return mgpu_utils.c(x, ir.IntegerType.get_signless(32))
 
@@ -115,7 +115,32 @@ def _asm(asm: str, n_out: int, *args):
     return [llvm.extractvalue(i32, out, [i]) for i in range(n_out)]
 
 
-def _fast_chunk_mgpu():
+# source_row's bit fields: row c = 32b + 8j + 2l + L reads 32l + 8b + 2j + L,
+# as (shift of the field in c, its width mask, its shift in the source row)
+_ROW_FIELDS = ((5, 3, 3), (3, 3, 1), (1, 3, 5), (0, 1, 0))
+
+
+def source_row(c: int) -> int:
+    """The weight row fragment row ``c`` (0..127 of a 128-row block) holds
+    in K order: k_order_index(128)[c] (checked below)."""
+    return sum(((c >> at) & mask) << to for at, mask, to in _ROW_FIELDS)
+
+
+if [source_row(c) for c in range(K_ORDER_CHUNK)] != k_order_index(K_ORDER_CHUNK).tolist():
+    raise AssertionError("source_row's bit fields are not mxfp4.k_order's")
+
+
+def _source_row_mgpu(row):
+    """source_row on an i32 value."""
+    out = None
+    for at, mask, to in _ROW_FIELDS:
+        f = arith.andi(arith.shrui(row, _i32(at)) if at else row, _i32(mask))
+        f = arith.shli(f, _i32(to)) if to else f
+        out = f if out is None else arith.ori(out, f)
+    return out
+
+
+def _fast_chunk_mgpu(n_chunk: int | None):
     out_t = plgpu.ShapeDtypeStruct((ROWS, K_STEP), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=out_t)
@@ -130,7 +155,8 @@ def _fast_chunk_mgpu():
         col0 = _index(arith.muli(quad, _i32(_THREAD_BYTES)))
         regs = np.empty(_REGISTERS, dtype=object)
         for half in range(2):
-            row = _index(arith.addi(row0, _i32(8 * half)))
+            row = arith.addi(row0, _i32(8 * half + ROWS * (n_chunk or 0)))
+            row = _index(row if n_chunk is None else _source_row_mgpu(row))
             sv = vector.load(ir.VectorType.get((1,), i8), scale_ref, [_index(quad), row])
             sv = arith.extui(i32, vector.extract(sv, [], [0]))
             s = _asm(_SCALE_ASM, 1, sv)[0]
@@ -147,9 +173,13 @@ def _fast_chunk_mgpu():
     return chunk
 
 
-def _fast_chunk_emulated(codes_smem, scale_smem):
-    q = words_of(codes_smem[...])                                              # [64, 16]
-    sv = jnp.repeat(scale_smem[...].T, _WORDS, axis=1).astype(jnp.uint32)    # word 4l + b
+def _fast_chunk_emulated(codes_smem, scale_smem, n_chunk: int | None):
+    codes, scales = codes_smem[...], scale_smem[...]
+    if n_chunk is not None:   # reshapes, not a gather (no array constant in a kernel)
+        rows = slice(ROWS * n_chunk, ROWS * (n_chunk + 1))
+        codes, scales = k_order(codes, 0)[rows], k_order(scales, 1)[:, rows]
+    q = words_of(codes)                                                        # [64, 16]
+    sv = jnp.repeat(scales.T, _WORDS, axis=1).astype(jnp.uint32)               # word 4l + b
     outs = jnp.stack(fast.dequant_words(q, sv), axis=-1)                       # [64, 16, 4]
     lanes = jnp.stack([outs & 0xFFFF, outs >> 16], axis=-1)                    # [64, 16, 4, 2]
     lanes = lanes.reshape(ROWS, 4, _WORDS, _OUTPUTS, 2).transpose(0, 2, 3, 1, 4)  # (b, j, l, L)
@@ -211,18 +241,24 @@ def code_bits(codes):
     return ((codes & 7) << CODE_MAGNITUDE_SHIFT) | ((codes << 28) & jnp.int32(-(1 << 31)))
 
 
-def fast_chunk(codes_smem, scale_smem, interpret: bool):
+def fast_chunk(codes_smem, scale_smem, interpret: bool, n_chunk: int | None = None):
     """uint8 [64, 64] codes (word layout) of 64 weight rows of a K step and
     their uint8 [4, 64] scales (SMEM refs; scale block x row) -> bf16
     [64, 128] (WGMMA layout, ``k_order``'s columns).
-    Exact for scale bytes in mxfp4_fast.FAST_SCALES (the caller checks)."""
-    if tuple(codes_smem.shape) != (ROWS, BYTES) or tuple(scale_smem.shape) != (4, ROWS):
-        raise ValueError(f"fast_chunk takes codes [{ROWS}, {BYTES}] and scales [4, {ROWS}], "
-                         f"got {tuple(codes_smem.shape)} and {tuple(scale_smem.shape)}")
+    Exact for scale bytes in mxfp4_fast.FAST_SCALES (the caller checks).
+    With ``n_chunk`` (0 or 1): codes [128, 64] and scales [4, 128] of a
+    128-row block, fragment row i from weight row
+    k_order_index(128)[64 n_chunk + i] (module docstring)."""
+    rows = ROWS if n_chunk is None else 2 * ROWS
+    if (tuple(codes_smem.shape) != (rows, BYTES) or tuple(scale_smem.shape) != (4, rows)
+            or n_chunk not in (None, 0, 1)):
+        raise ValueError(f"fast_chunk takes codes [{rows}, {BYTES}], scales [4, {rows}] and "
+                         f"n_chunk None, 0 or 1, got {tuple(codes_smem.shape)}, "
+                         f"{tuple(scale_smem.shape)} and {n_chunk!r}")
     if interpret:
-        return _fast_chunk_emulated(codes_smem, scale_smem)
-    return _fast_chunk_mgpu()(codes_smem, scale_smem)
+        return _fast_chunk_emulated(codes_smem, scale_smem, n_chunk)
+    return _fast_chunk_mgpu(n_chunk)(codes_smem, scale_smem)
 
 
 __all__ = ["BYTES", "CODE_BITS_SEQUENCE", "CODE_MAGNITUDE_SHIFT", "K_STEP", "ROWS", "code_bits",
-           "code_bits_piece", "fast_chunk", "k_order"]
+           "code_bits_piece", "fast_chunk", "k_order", "source_row"]

@@ -36,7 +36,7 @@ from pallas_kernels import (
 )
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mxfp4_dequant
-from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, dequant
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, dequant, k_order_index
 from pallas_kernels.selfcheck import gate
 
 pytestmark = pytest.mark.tiers(slow=["test_x_gradient_through_the_kernel_matches_float32"])
@@ -49,7 +49,8 @@ def _decode_kernel(n: int, path: str = "exact"):
     """A one-CTA kernel decoding one K step: packed [n, 64] (weight rows by
     code bytes, the word layout) and scales [4, n] (TMA to SMEM) -> the
     decoded bf16 [n, 128] tile (to HBM, mxfp4_dequant.k_order's columns), by
-    mk.dequant_tile (path "exact") or mk.fast_dequant_tile ("fast")."""
+    mk.dequant_tile (path "exact") or mk.fast_dequant_tile ("fast"; "fast_k":
+    its rows in k_order too)."""
     def body(p_gmem, s_gmem, o_gmem):
         @functools.partial(pl.run_scoped, p_smem=plgpu.SMEM((n, 64), jnp.uint8),
                            s_smem=plgpu.SMEM((4, n), jnp.uint8),
@@ -63,7 +64,8 @@ def _decode_kernel(n: int, path: str = "exact"):
             if path == "exact":
                 mk.dequant_tile(p_smem, s_smem, w_smem, n, interpret=True)
             else:
-                mk.fast_dequant_tile(p_smem, s_smem, w_smem, n, interpret=True)
+                mk.fast_dequant_tile(p_smem, s_smem, w_smem, n, interpret=True,
+                                     n_k_order=path == "fast_k")
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(w_smem, o_gmem)
             plgpu.wait_smem_to_gmem(0)
@@ -139,6 +141,11 @@ def test_fast_decode_is_the_codec_on_every_fast_pair():
     want = np.asarray(dequant(jnp.asarray(packed), jnp.asarray(scale), BF16, axis=0))  # [128, n]
     want = np.asarray(mxfp4_dequant.k_order(jnp.asarray(want.T))).view(np.uint16)    # [n, 128]
     np.testing.assert_array_equal(got, want)
+    # rows in k_order (k_order_axis 2): tile row c of each 128-row block is
+    # weight row k_order_index(128)[c] of it (mxfp4_dequant.source_row)
+    got_k = np.asarray(jax.jit(_decode_kernel(n, "fast_k"))(words, scale)).view(np.uint16)
+    np.testing.assert_array_equal(got_k, want[k_order_index(n)])
+    assert [mxfp4_dequant.source_row(c) for c in range(128)] == k_order_index(128).tolist()
 
 
 # (m, k, n, g, pattern): odd group sizes, empty groups, a NaN-poisoned tail,
@@ -197,6 +204,39 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(dtype):
         x, wg, wu, sizes)
     dg, du = kc.decode_mxfp4_gkn(pg, sg), kc.decode_mxfp4_gkn(pu, su)
     kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, dg, du, sizes), sizes, tol, "fused")
+
+
+@pytest.mark.parametrize("lo", [112, 0], ids=["fast", "exact"])
+def test_k_ordered_weights_give_h_in_the_down_kernels_order(lo):
+    """Weights of k_order_axis 2 (w1 / w3): the row-major launch gives the
+    products' columns in k_order (fast: the tile's rows dequantized in that
+    order; exact: by XLA); of k_order_axis 1 (w2): it takes x in k_order as
+    it comes. Chained, the down product of the gate/up's h in k_order is
+    the float64 one of h."""
+    m, k, n, g = 70, 128, 256, 3
+    rng = np.random.default_rng(7)
+    (pg, sg), (pu, su) = (kc.random_mxfp4(rng, g, k, n, lo=lo, hi=129) for _ in range(2))
+    pd, sd = kc.random_mxfp4(rng, g, n, 64, lo=lo, hi=129)
+    wg, wu, wd = (kc.mxfp4_from_kn(p, s) for p, s in ((pg, sg), (pu, su), (pd, sd)))
+    assert wg.dequant is (Mxfp4Dequant.FAST if lo else Mxfp4Dequant.EXACT)
+    wg_k, wu_k = (Mxfp4Weights(w.packed_GNK, w.scale_GKN, w.dequant, 2) for w in (wg, wu))
+    wd_k = Mxfp4Weights(wd.packed_GNK, wd.scale_GKN, wd.dequant, 1)
+    x = kc.normal(jax.random.key(4), (m, k), BF16, scale=0.1)
+    sizes = kc.group_pattern("sum_lt_m", m, g)
+    x = kc.poison_tail(x, sizes)
+    dg, du, dd = (kc.decode_mxfp4_gkn(p, s) for p, s in ((pg, sg), (pu, su), (pd, sd)))
+    tol, perm = kc.kernel_tol(BF16), k_order_index(n)
+    h = jax.jit(lambda x, a, b, s: mk.grouped_situ_glu_mxfp4(x, a, b, s, interpret=True, **SITU))(
+        x, wg_k, wu_k, sizes)
+    h_ref = kc.np_grouped_situ_glu(x, dg, du, sizes)
+    kc.assert_grouped_output(h, h_ref[:, perm], sizes, tol, "fused, N in k_order")
+    y = jax.jit(lambda x, w, s: mk.grouped_matmul_mxfp4(x, w, s, interpret=True))(x, wg_k, sizes)
+    kc.assert_grouped_output(y, kc.np_grouped_matmul(x, dg, sizes)[:, perm], sizes, tol,
+                             "plain, N in k_order")
+    out = jax.jit(lambda h, w, s: mk.grouped_matmul_mxfp4(h, w, s, interpret=True))(h, wd_k, sizes)
+    h_nat = np.asarray(h.astype(F32))[:, np.argsort(perm)]
+    kc.assert_grouped_output(out, kc.np_grouped_matmul(h_nat, dd, sizes), sizes, tol,
+                             "down, K in k_order")
 
 
 def test_nan_scale_reaches_only_its_group_and_columns():

@@ -22,10 +22,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 import tiers
+from pallas_kernels import grouped_matmul, grouped_situ_glu
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
 from pallas_kernels.grouped_matmul import mxfp4_vjp
-from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
+from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, k_order_index
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 SITU = {"beta": kc.BETA, "linear_beta": kc.LINEAR_BETA}
@@ -71,6 +72,39 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(case, dtype):
     tol = kc.kernel_tol(dtype)
     kc.assert_grouped_output(y, kc.np_grouped_matmul(x, dg, sizes), sizes, tol, "plain")
     kc.assert_grouped_output(h, kc.np_grouped_situ_glu(x, dg, du, sizes), sizes, tol, "fused")
+
+
+def test_k_ordered_chain_matches_the_stored_order_with_its_gradient():
+    """The MoE's experts with Layout.mxfp4_k_order's weights (w1 / w3
+    k_order_axis 2, w2 1) at decode sizes (the swap-AB kernels): h comes out
+    of the gate/up in k_order and the down product, and x's gradient
+    through both (mxfp4_vjp's blocked backward), are those of the weights in
+    their stored order on "xla"."""
+    m, k, f, n, g = 12, 128, 256, 128, 3
+    rng = np.random.default_rng(9)
+    ws = [kc.mxfp4_from_kn(*kc.random_mxfp4(rng, g, a, b, 112, 124))
+          for a, b in ((k, f), (k, f), (f, n))]
+    ws_k = [Mxfp4Weights(w.packed_GNK, w.scale_GKN, w.dequant, a) for w, a in zip(ws, (2, 2, 1))]
+    x = kc.normal(jax.random.key(5), (m, k), F32, scale=0.1)
+    t = kc.normal(jax.random.key(6), (m, n), F32)
+    sizes = jnp.array([5, 0, 6], jnp.int32)
+    assert sw.block_t_for(m, g, 2) is not None and sw.block_t_for(m, g, 1) is not None
+
+    def chain(x, w1, w3, w2, backend):
+        h = grouped_situ_glu(x, w1, w3, sizes, backend=backend, **SITU)
+        return h, grouped_matmul(h, w2, sizes, backend=backend)
+
+    def loss(x, ws, backend):
+        return jnp.sum(t * chain(x, *ws, backend)[1])
+    h_k, y_k = jax.jit(lambda x, *w: chain(x, *w, "interpret"))(x, *ws_k)
+    h, y = jax.jit(lambda x, *w: chain(x, *w, "xla"))(x, *ws)
+    perm = k_order_index(f)
+    tol = kc.TOL_F32_KERNEL
+    kc.assert_close(h_k, np.asarray(h)[:, perm], tol, "h in k_order")
+    kc.assert_close(y_k, y, tol, "down")
+    got = jax.jit(jax.grad(lambda x, *w: loss(x, w, "interpret")))(x, *ws_k)
+    want = jax.jit(jax.grad(lambda x, *w: loss(x, w, "xla")))(x, *ws)
+    kc.assert_close(got, want, tol, "dx")
 
 
 def test_extreme_scales_take_the_exact_kernel():
