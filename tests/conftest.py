@@ -56,9 +56,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "tiers(**{tier: [test function names]}): puts the named test functions of "
                    f"this file in those tiers ({', '.join(TIERS)})")
-    config.addinivalue_line(
-        "markers", "alone: a rate measured against a peer in the same run; bin/test --all runs "
-                   "these after the rest, in one process, with no other test beside them")
     # --strict-markers for every invocation: a misspelt tier mark fails collection
     # instead of silently moving its test into the everyday tier.
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnknownMarkWarning")
