@@ -7,6 +7,7 @@ unwritable cache directory reported once, and the verdict rules."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -393,3 +394,57 @@ def test_check_inputs_cover_the_tail_rows_and_an_empty_group():
     for seed in range(5):
         sizes = np.asarray(check.random_inputs(GROUPED, np.random.default_rng(seed))["group_sizes"])
         assert sizes.shape == (8,) and sizes.sum() == 64 - 8 and (sizes == 0).any()
+
+
+@pytest.mark.parametrize("op, axis", [("grouped_matmul", 1), ("grouped_situ_glu", 2)])
+def test_k_ordered_mxfp4_weights_are_checked_in_their_own_order(op, axis, monkeypatch):
+    """A launch on packed MXFP4 weights in the Mosaic kernels' K order
+    (Mxfp4Weights.k_order_axis) is its own configuration (its name and cache
+    key say the order) and its check runs weights in that order: the kernel
+    (interpret mode) passes against the XLA path on the same weights and
+    fails when perturbed. The Triton launcher of a fixed tiling permutes x /
+    y as the dispatch does (a stand-in for Triton's kernels, which read the
+    codes as stored: the blocked XLA path on the stored weights)."""
+    from pallas_kernels.grouped_matmul import api, blocked
+    from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
+    from pallas_kernels.selfcheck.config import grouped_config
+
+    g, m, k, n = 2, 24, 128, 128
+    w = Mxfp4Weights(jnp.zeros((g, n, k // 2), jnp.uint8), jnp.zeros((g, k // 32, n), jnp.uint8),
+                     Mxfp4Dequant.FAST, axis)
+    x = jnp.zeros((m, k), jnp.bfloat16)
+    betas = (None, None) if op == "grouped_matmul" else (4.0, 25.0)
+    ordered = grouped_config(op, x, w, "interpret", *betas)
+    plain = grouped_config(op, x, dataclasses.replace(w, k_order_axis=None), "interpret", *betas)
+    assert ordered.k_order_axis == axis and plain.k_order_axis is None
+    assert f"bfloat16/mxfp4-k{axis}:" in ordered.name and ordered.name != plain.name
+    assert ordered.to_json() != plain.to_json()                      # another cache key
+    inputs = check.random_inputs(ordered, np.random.default_rng(0))
+    assert all(v.k_order_axis == axis for v in inputs["weights"])
+    assert check.run_check(ordered, timeout_s=300).verdict == "ok"
+    assert check.run_check(ordered, timeout_s=300, perturb=True).verdict == "mismatch"
+
+    class StandIn:
+        @staticmethod
+        def grouped_matmul_mxfp4(x, packed, scale, sizes, config):
+            return blocked.grouped_matmul(x, Mxfp4Weights(packed, scale, Mxfp4Dequant.EXACT),
+                                          sizes)
+
+        @staticmethod
+        def grouped_situ_glu_mxfp4(x, pg, sg, pu, su, sizes, *, config, beta, linear_beta):
+            return blocked.grouped_situ_glu(x, Mxfp4Weights(pg, sg, Mxfp4Dequant.EXACT),
+                                            Mxfp4Weights(pu, su, Mxfp4Dequant.EXACT), sizes,
+                                            beta=beta, linear_beta=linear_beta)
+    monkeypatch.setattr(api, "triton_kernels", lambda: StandIn)
+    on_triton = dataclasses.replace(ordered, backend="triton")
+    xs, ws, sizes = inputs["x"].astype(jnp.float32), inputs["weights"], inputs["group_sizes"]
+    got = check.fixed_tiling_launcher(on_triton)(xs, ws, sizes)
+    want = check.launcher(ordered, "xla")(xs, ws, sizes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_k_order_needs_packed_weights():
+    with pytest.raises(ValueError, match="k_order_axis 1 needs packed MXFP4 weights, not float32"):
+        KernelConfig(**{**CONFIG.to_json(), "k_order_axis": 1})
+    with pytest.raises(ValueError, match="k_order_axis must be None, 1 or 2, got 3"):
+        KernelConfig(**{**CONFIG.to_json(), "w_dtype": "mxfp4", "k_order_axis": 3})

@@ -117,8 +117,8 @@ def _grouped_matmul_forward(x_MK, w_GKN, group_sizes_G, impl):
     """The forward dispatch of grouped_matmul (validated inputs, resolved backend)."""
     if isinstance(w_GKN, Mxfp4Weights):
         if impl == "triton":   # in-kernel dequantization (W4A16) of the word layout, in place
-            x_MK = _triton_x(x_MK, [w_GKN])
-            return _triton_y(triton_kernels().grouped_matmul_mxfp4(
+            x_MK = triton_x(x_MK, [w_GKN])
+            return triton_y(triton_kernels().grouped_matmul_mxfp4(
                 x_MK, w_GKN.packed_GNK, w_GKN.scale_GKN, group_sizes_G), [w_GKN])
         # pallas / interpret: in-kernel dequant + bf16 WGMMA (W4A16); xla: blocked
         return mxfp4_vjp.grouped_matmul(x_MK, w_GKN, group_sizes_G, impl)
@@ -149,7 +149,8 @@ def grouped_situ_glu(x_MK: jax.Array, w_gate_GKN: jax.Array | Mxfp4Weights,
     if w_gate_GKN.shape != w_up_GKN.shape:
         raise ValueError(
             f"w_gate_GKN shape {w_gate_GKN.shape} != w_up_GKN shape {w_up_GKN.shape}")
-    orders = {getattr(w, "k_order_axis", None) for w in (w_gate_GKN, w_up_GKN)}
+    orders = {w.k_order_axis if isinstance(w, Mxfp4Weights) else None
+              for w in (w_gate_GKN, w_up_GKN)}
     if len(orders) != 1:
         raise ValueError(f"w_gate_GKN and w_up_GKN must share k_order_axis, got {orders}")
     check_betas(beta, linear_beta)
@@ -169,8 +170,8 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
     packed = [isinstance(w, Mxfp4Weights) for w in (w_gate_GKN, w_up_GKN)]
     if all(packed) and impl == "triton":   # in-kernel dequantization (W4A16), word layout
         pair = [w_gate_GKN, w_up_GKN]
-        return _triton_y(triton_kernels().grouped_situ_glu_mxfp4(
-            _triton_x(x_MK, pair), w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN,
+        return triton_y(triton_kernels().grouped_situ_glu_mxfp4(
+            triton_x(x_MK, pair), w_gate_GKN.packed_GNK, w_gate_GKN.scale_GKN,
             w_up_GKN.packed_GNK, w_up_GKN.scale_GKN, group_sizes_G, beta=beta,
             linear_beta=linear_beta), pair)
     if all(packed) and impl in mxfp4_vjp.IMPLS:   # kernel dequant + bf16 WGMMA, or blocked
@@ -192,14 +193,14 @@ def _grouped_situ_glu_forward(x_MK, w_gate_GKN, w_up_GKN, group_sizes_G, beta, l
                                         interpret=impl == "interpret")
 
 
-def _triton_x(x_MK, weights: list[Mxfp4Weights]):
+def triton_x(x_MK, weights: list[Mxfp4Weights]):
     """x for Triton's MXFP4 kernels, which read the weights as stored: out
     of k_order for weights of k_order_axis 1."""
     axis = mosaic_sm90_mxfp4.k_order_axis(weights)
     return k_order(x_MK, 1, inverse=True) if axis == 1 else x_MK
 
 
-def _triton_y(y_MN, weights: list[Mxfp4Weights]):
+def triton_y(y_MN, weights: list[Mxfp4Weights]):
     """y of Triton's MXFP4 kernels in k_order for weights of k_order_axis 2."""
     return k_order(y_MN, 1) if mosaic_sm90_mxfp4.k_order_axis(weights) == 2 else y_MN
 

@@ -65,7 +65,7 @@ def random_inputs(config: KernelConfig, rng: np.random.Generator) -> dict:
             packed = jax.random.randint(next(keys), (g, n, k // 2), 0, 256, jnp.int32)
             scales = jax.random.randint(next(keys), (g, k // 32, n), 123, 128, jnp.int32)
             return Mxfp4Weights(packed.astype(jnp.uint8), scales.astype(jnp.uint8),
-                                mxfp4_dtypes()[config.w_dtype])
+                                mxfp4_dtypes()[config.w_dtype], config.k_order_axis)
         w = jax.random.normal(next(keys), (g, k, n), jnp.float32) / np.sqrt(max(k, 1))
         return w.astype(jnp.dtype(config.w_dtype))
 
@@ -105,12 +105,12 @@ def fixed_tiling_launcher(config: KernelConfig) -> Callable:
         k = api.triton_kernels()
         b = dict(beta=config.beta, linear_beta=config.linear_beta)
         if config.w_dtype in mxfp4_dtypes() and config.op == "grouped_matmul":
-            return lambda x, ws, gs: k.grouped_matmul_mxfp4(
-                x, ws[0].packed_GNK, ws[0].scale_GKN, gs, config=t)
+            return lambda x, ws, gs: api.triton_y(k.grouped_matmul_mxfp4(
+                api.triton_x(x, ws), ws[0].packed_GNK, ws[0].scale_GKN, gs, config=t), ws)
         if config.w_dtype in mxfp4_dtypes():
-            return lambda x, ws, gs: k.grouped_situ_glu_mxfp4(
-                x, ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK,
-                ws[1].scale_GKN, gs, config=t, **b)
+            return lambda x, ws, gs: api.triton_y(k.grouped_situ_glu_mxfp4(
+                api.triton_x(x, ws), ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK,
+                ws[1].scale_GKN, gs, config=t, **b), ws)
         if config.op == "grouped_matmul":
             return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
         return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)

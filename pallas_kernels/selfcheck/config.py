@@ -3,8 +3,10 @@
 ``KernelConfig`` is (op, shapes, dtypes, tile config, backend): the launch's
 M x K x N over G groups, x's and the weights' dtype ("mxfp4" for packed
 MXFP4 weights whose dequant is FAST, "mxfp4-exact" for EXACT ones: the
-Mosaic backends run different kernels for them), the tiling the backend's dispatch picks for that shape, the
-resolved backend, and the SiTU betas of the fused ops. ``name`` is its
+Mosaic backends run different kernels for them), packed weights' K order
+(Mxfp4Weights.k_order_axis: the Mosaic kernels take x, or give y, in
+another order for it), the tiling the backend's dispatch picks for that
+shape, the resolved backend, and the SiTU betas of the fused ops. ``name`` is its
 printable form (the selfcheck table, the warning lines and
 K3JAX_SELFCHECK_PERTURB use it).
 
@@ -45,9 +47,11 @@ class KernelConfig:
 
     op: one of OPS; m, k, n, groups: x [m, k] times weights [groups, k, n]
     (situ_mlp_up: groups 1); x_dtype / w_dtype: dtype names (w_dtype MXFP4 or
-    MXFP4_EXACT for packed weights, by their dequant); tiles: the tiling's printable form (``tiles_of``);
-    backend: one of CHECKED_BACKENDS; beta / linear_beta: the SiTU betas of
-    the fused ops (None for grouped_matmul).
+    MXFP4_EXACT for packed weights, by their dequant); tiles: the tiling's
+    printable form (``tiles_of``); backend: one of CHECKED_BACKENDS; beta /
+    linear_beta: the SiTU betas of the fused ops (None for grouped_matmul);
+    k_order_axis: packed weights' Mxfp4Weights.k_order_axis (None, 1 or 2;
+    None for other weights).
     """
 
     op: str
@@ -61,6 +65,7 @@ class KernelConfig:
     backend: str
     beta: float | None = None
     linear_beta: float | None = None
+    k_order_axis: int | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -68,6 +73,12 @@ class KernelConfig:
         if self.backend not in CHECKED_BACKENDS:
             raise ValueError(f"KernelConfig: backend {self.backend!r} is not one of "
                              f"{CHECKED_BACKENDS}")
+        if self.k_order_axis not in (None, 1, 2):
+            raise ValueError(f"KernelConfig: k_order_axis must be None, 1 or 2, got "
+                             f"{self.k_order_axis!r}")
+        if self.k_order_axis is not None and self.w_dtype not in (MXFP4, MXFP4_EXACT):
+            raise ValueError(f"KernelConfig: k_order_axis {self.k_order_axis} needs packed "
+                             f"MXFP4 weights, not {self.w_dtype}")
 
     @property
     def num_weights(self) -> int:
@@ -76,11 +87,13 @@ class KernelConfig:
     @property
     def name(self) -> str:
         """e.g. ``grouped_situ_glu:m64,k32,n16,g4:bfloat16/bfloat16:row_major/1-64-128-64:interpret``
-        (beta suffix ``:b1.0/l0.5`` on the fused ops). No spaces."""
+        (beta suffix ``:b1.0/l0.5`` on the fused ops; weights in K order:
+        ``bfloat16/mxfp4-k2``). No spaces."""
         betas = ("" if self.beta is None else
                  f":b{self.beta:g}" + ("" if self.linear_beta is None else f"/l{self.linear_beta:g}"))
+        order = "" if self.k_order_axis is None else f"-k{self.k_order_axis}"
         return (f"{self.op}:m{self.m},k{self.k},n{self.n},g{self.groups}:"
-                f"{self.x_dtype}/{self.w_dtype}:{self.tiles}:{self.backend}{betas}")
+                f"{self.x_dtype}/{self.w_dtype}{order}:{self.tiles}:{self.backend}{betas}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,14 +145,17 @@ def grouped_config(op: str, x_MK, w_GKN, backend: str, beta: float | None = None
 
     m, k = x_MK.shape
     groups, _, n = w_GKN.shape
+    k_order_axis = None
     if isinstance(w_GKN, Mxfp4Weights):
         w_dtype = MXFP4 if w_GKN.dequant is Mxfp4Dequant.FAST else MXFP4_EXACT
+        k_order_axis = w_GKN.k_order_axis
     else:
         w_dtype = jnp.dtype(w_GKN.dtype).name
     x_dtype = jnp.dtype(x_MK.dtype).name
     return KernelConfig(op=op, m=m, k=k, n=n, groups=groups, x_dtype=x_dtype, w_dtype=w_dtype,
                         tiles=tiles_of(op, m, k, n, groups, x_dtype, w_dtype, backend),
-                        backend=backend, beta=beta, linear_beta=linear_beta)
+                        backend=backend, beta=beta, linear_beta=linear_beta,
+                        k_order_axis=k_order_axis)
 
 
 def mlp_config(x_TD, gate_DF, backend: str, beta: float,
