@@ -190,3 +190,27 @@ def test_ep_on_one_device_issues_and_plans_no_collectives(eight_devices):
     forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
     text = forward.lower(state, jnp.ones((32, TINY.hidden_size))).compile().as_text()
     assert not re.findall(r"all-gather|reduce-scatter|all-reduce|collective-permute", text)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(
+    dp=1, tp=2, sequence_parallel=True, expert_parallel=True)], ids=["single", "sp-ep2"])
+def test_a_k_ordered_moe_layer_gives_the_stored_orders_output(eight_devices, parallel):
+    """A whole MoE layer whose packed experts run in K order (TINY with F =
+    128, interpret: Layout.mxfp4_k_order) gives what the same stored
+    experts give on "xla" (no K order): h leaves the gate/up in k_order and
+    the down projection takes it so, the product unchanged. Float32
+    activations on fresh random weights and tokens."""
+    cfg = TINY.replace(moe_intermediate_size=128)
+    mesh = make_mesh(parallel, jax.devices()[:parallel.num_devices])
+    x = jax.random.normal(jax.random.key(11), (16, cfg.hidden_size), jnp.float32)
+
+    def forward(backend):
+        layout = make_layout(cfg, parallel, mesh, backend=backend, experts=ExpertStorage.MXFP4,
+                             dtype=jnp.float32)
+        module = build_layer(layout, 1, mesh, source=RandomSource(seed=7))
+        return layout, np.asarray(nnx.jit(lambda m, x: m(x))(module, x), np.float64)
+    ordered, got = forward("interpret")
+    stored, want = forward("xla")
+    assert ordered.mxfp4_k_order and not stored.mxfp4_k_order
+    assert np.isfinite(got).all() and np.abs(want).max() > 0
+    assert rel_err(got, want) <= 1e-5
