@@ -46,6 +46,7 @@ from k3jax.config import K3Config
 from k3jax.grads import grad_program, param_path, split_trainable
 from k3jax.hlo_schedule import collective_schedule
 from k3jax.layout import ExpertStorage, ParallelConfig
+from pallas_kernels.mxfp4 import Mxfp4Dequant
 from pallas_kernels.selfcheck import gate
 
 MXFP4_X_GRADIENT = {
@@ -83,12 +84,14 @@ class GradsCompileReport(CompileReport):
 def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                         backend: str = "xla", dtype: str = "bfloat16",
                         expert_dtype: str = "mxfp4",
+                        mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST,
                         compiler_options: dict | None = None) -> GradsCompileReport:
     """Compile layer ``layer``'s forward and VJP on ``tokens`` global rows for
-    ``parallel.num_devices`` H200s (module docstring). Errors as
-    ``k3jax.compile.compile_layer``."""
+    ``parallel.num_devices`` H200s (module docstring); packed MXFP4 experts'
+    scale bytes are taken to allow ``mxfp4_dequant`` (as in
+    ``k3jax.compile.compile_layer``). Errors as ``compile_layer``."""
     built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
-                           expert_dtype=expert_dtype)
+                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant)
     options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
     mesh, layout, module, x_TD = built.mesh, built.layout, built.module, built.x_TD
     _, params, frozen = split_trainable(module)

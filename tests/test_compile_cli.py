@@ -108,8 +108,6 @@ def test_tables_for_the_dense_layer(capsys):
                                                         "float32"),
     (["--preset", "tiny", "--tp", "8", "--sequence-parallel"],
      "(--expert-dtype bfloat16)"),
-    (["--preset", "tiny", "--grads", "--mxfp4-dequant", "exact"],
-     "--mxfp4-dequant exact compiles the forward only"),
 ])
 def test_usage_errors_exit_2_naming_the_flags(argv, words, capsys):
     assert main(["compile", *argv]) == 2

@@ -65,6 +65,21 @@ def test_packed_mxfp4_experts_are_frozen_and_named(capsys):
     assert "mxfp4_vjp" in grads["x_gradient"]
 
 
+def test_the_training_step_compiles_the_dequant_the_experts_allow(capsys):
+    """--mxfp4-dequant with --grads: the Pallas training step's forward
+    launches the fast MXFP4 kernels, or with exact the exact ones (x's
+    gradient is the blocked scan either way)."""
+    def kernels(dequant):
+        assert main(["compile", "--grads", "--preset", "tiny", "--tp", "2", "--tokens", "64",
+                     "--backend", "pallas", "--mxfp4-dequant", dequant, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["mxfp4_dequant"] == dequant and "mxfp4_vjp" in out["grads"]["x_gradient"]
+        return {k["name"].rsplit("_", 1)[0] for k in out["kernels"] if "_mxfp4" in k["name"]}
+    fast, exact = kernels("fast"), kernels("exact")
+    assert fast and not any("_exact" in name for name in fast), fast
+    assert exact == {"grouped_situ_glu_mxfp4_exact_m64", "grouped_matmul_mxfp4_exact_m64"}, exact
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "7"], "--dp 1 --tp 7 cannot train this model"),
     (["--preset", "tiny", "--tp", "8", "--sequence-parallel"], "(--expert-dtype bfloat16)"),

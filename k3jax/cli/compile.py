@@ -112,16 +112,14 @@ def _compile(args: argparse.Namespace):
 
 def _compile_one(args: argparse.Namespace, cfg, parallel):
     """The forward's CompileReport, or with --grads the training step's."""
-    if args.grads and args.mxfp4_dequant != "fast":
-        raise UsageError(f"--mxfp4-dequant {args.mxfp4_dequant} compiles the forward only: "
-                         f"drop --grads (the training step compiles the fast kernels)")
+    from pallas_kernels.mxfp4 import Mxfp4Dequant
     if args.grads:
         from k3jax.compile_grads import compile_layer_grads
         return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
                                    backend=args.backend, dtype=args.dtype,
-                                   expert_dtype=args.expert_dtype)
+                                   expert_dtype=args.expert_dtype,
+                                   mxfp4_dequant=Mxfp4Dequant(args.mxfp4_dequant))
     from k3jax.compile import compile_layer
-    from pallas_kernels.mxfp4 import Mxfp4Dequant
     return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
                          dtype=args.dtype, expert_dtype=args.expert_dtype,
                          mxfp4_dequant=Mxfp4Dequant(args.mxfp4_dequant))
