@@ -113,16 +113,15 @@ def _compile(args: argparse.Namespace):
 def _compile_one(args: argparse.Namespace, cfg, parallel):
     """The forward's CompileReport, or with --grads the training step's."""
     from pallas_kernels.mxfp4 import Mxfp4Dequant
+    dequant = Mxfp4Dequant(args.mxfp4_dequant)
     if args.grads:
         from k3jax.compile_grads import compile_layer_grads
         return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
                                    backend=args.backend, dtype=args.dtype,
-                                   expert_dtype=args.expert_dtype,
-                                   mxfp4_dequant=Mxfp4Dequant(args.mxfp4_dequant))
+                                   expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
     from k3jax.compile import compile_layer
     return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
-                         dtype=args.dtype, expert_dtype=args.expert_dtype,
-                         mxfp4_dequant=Mxfp4Dequant(args.mxfp4_dequant))
+                         dtype=args.dtype, expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
 
 
 def print_report(report, file=None) -> None:
