@@ -18,7 +18,7 @@ count (decode and prefill), three implementations on the same arguments:
 Weight traffic is counted in packed bytes for "mxfp4" (0.53125 B per active
 parameter) and bf16 bytes otherwise; "pct_copy" is against the copy ceiling.
 Each row also carries the cost model's prediction for the MXFP4 kernel the
-dispatch takes ("model": analysis.kernel_cost.launch_cost(..., mxfp4=True)).
+dispatch takes ("model": k3jax.tools.kernel_cost.launch_cost(..., mxfp4=True)).
 No library peer: tokamax 0.0.17's quantized ragged_dot does not compile MXFP4
 (E2M1, 32-wide E8M0 scales) for sm_90a (docs/kernels.md, BENCHMARKS.md).
 """

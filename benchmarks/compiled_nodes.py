@@ -5,7 +5,7 @@ table benchmarks/results/compiled_nodes_h200.md.
 
     PYTHONPATH=$PWD python -m benchmarks.compiled_nodes [--tokens 256 8192] [--nodes 2 4]
 
-Each cell is one ``k3jax.compile.compile_layer`` (what ``k3jax compile
+Each cell is one ``k3jax.tools.compile.compile_layer`` (what ``k3jax compile
 --nodes N --dp N --tp 8 --sequence-parallel --expert-parallel --ep-dispatch
 FORM --expert-dtype mxfp4 --backend xla`` runs). Compiler output, not times:
 the bytes a form puts on the inter-node link are the sum, over the
@@ -21,10 +21,10 @@ import datetime
 import sys
 from pathlib import Path
 
-from k3jax.compile import compile_layer
 from k3jax.config import K3
 from k3jax.files import atomic_write
 from k3jax.layout import NODE, EpDispatch, ParallelConfig
+from k3jax.tools.compile import compile_layer
 
 RESULT = Path(__file__).resolve().parent / "results" / "compiled_nodes_h200.md"
 FORMS = (EpDispatch.GATHER, EpDispatch.HIERARCHICAL, EpDispatch.ALL_TO_ALL)

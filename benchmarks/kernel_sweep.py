@@ -83,7 +83,7 @@ from benchmarks.cases import (
 )
 from benchmarks.measure import KernelMismatch, Sweep, measure_ceilings, spot_check_grouped
 from benchmarks.model_rows import model_grouped, model_mlp, x_lean_config
-from pallas_kernels import peers as peers_lib
+from k3jax.tools import peers as peers_lib
 from pallas_kernels import resolve_backend
 
 

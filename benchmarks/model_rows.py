@@ -1,6 +1,6 @@
 """The static cost model's prediction for every row of the kernel sweep (no GPU).
 
-For each row of benchmarks.cases' sweep, what analysis/kernel_cost.py
+For each row of benchmarks.cases' sweep, what k3jax/tools/kernel_cost.py
 predicts from the kernel's own schedule on the sweep's routing: tiles, SM
 fill, weight reads per active expert, x bytes over weight bytes, rows
 computed per useful row, predicted time, beside XLA's dense ragged_dot and
@@ -22,7 +22,6 @@ import sys
 
 import numpy as np
 
-from analysis import kernel_cost, tile_search
 from benchmarks.bench_report import describe_tiles, write_atomically
 from benchmarks.cases import (
     FULL,
@@ -35,6 +34,7 @@ from benchmarks.cases import (
     mlp_cases,
     plan_from_args,
 )
+from k3jax.tools import kernel_cost, tile_search
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab
 
 # The x-lean range: x at most tile_search.TARGETS.x_over_w of the weight bytes up to this many tokens.
@@ -103,7 +103,7 @@ def model_all(plan: Plan) -> dict:
                 **model_grouped(c, grouped_sizes(c))} for c in grouped_cases(plan, mxfp4=True)]
     mlp = [{"op": "situ_mlp_up", "ep": None, "tp": c.tp, "tokens": c.tokens, "D": c.d, "F": c.f,
             **model_mlp(c)} for c in mlp_cases(plan)]
-    return {"meta": {"model": "analysis/kernel_cost.py", "num_sms": kernel_cost.H200_NUM_SMS,
+    return {"meta": {"model": "k3jax/tools/kernel_cost.py", "num_sms": kernel_cost.H200_NUM_SMS,
                      "dense_bf16_flops": kernel_cost.DENSE_BF16_FLOPS,
                      "copy_bytes_per_s": kernel_cost.COPY_BYTES_PER_S,
                      "tile_overhead_s": kernel_cost.TILE_OVERHEAD_S, "top_k": plan.top_k,

@@ -18,7 +18,7 @@ import importlib
 _EXPORTS = {
     "k3jax.config": ("K3", "PRESETS", "TINY", "TINY_GROUPED", "K3Config", "from_hf_config",
                      "preset"),
-    "k3jax.parallel_config": ("DATA", "MESH_AXES", "NODE", "TENSOR", "EpDispatch", "ParallelConfig",
+    "k3jax.layout.parallel": ("DATA", "MESH_AXES", "NODE", "TENSOR", "EpDispatch", "ParallelConfig",
                               "SharedOverlap", "abstract_mesh", "make_mesh"),
     "k3jax.layout": ("ExpertStorage", "Layout", "LayoutError", "MlpLayout", "MlpMode", "MoEMode",
                      "Mxfp4ShardError", "make_layout", "mlp_layout", "padded_moe_intermediate"),

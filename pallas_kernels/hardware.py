@@ -1,5 +1,5 @@
 """The H200 SXM, described once: what the kernels size themselves by, what the
-deviceless compile target (k3jax/targets/h200.txtpb) declares, and the rates
+deviceless compile target (k3jax/data/h200.txtpb) declares, and the rates
 the cost and latency models charge.
 
 Two kinds of number live here, kept apart by their fields' names:

@@ -4,7 +4,7 @@ by every test and every pytest-xdist worker that asks for it.
     reports = kernel_reports("down ep=16 tokens=16")   # benchmarks/compile_table.py's config
     reports = cached_reports("my key", lambda: ptxas_reports(fn, *specs))
 
-The ptxas reports (k3jax.aot.PtxasReport) are kept in memory and, when
+The ptxas reports (k3jax.tools.aot.PtxasReport) are kept in memory and, when
 ``$K3JAX_TEST_CACHE`` names a folder, as one JSON file per entry there: a
 worker takes the entry's file lock, reads the file if another worker wrote it,
 else compiles and writes it atomically, so concurrent askers wait for one
@@ -30,16 +30,17 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from k3jax.aot import PtxasReport
 from k3jax.files import atomic_write
-from k3jax.kernel_sass import KStepSass
+from k3jax.tools.aot import PtxasReport
+from k3jax.tools.kernel_sass import KStepSass
 
 CACHE_ENV = "K3JAX_TEST_CACHE"
 REPO = Path(__file__).resolve().parent.parent
 # What a kernel's compile depends on, relative to the repository.
 SOURCE_TREES = ("pallas_kernels", "benchmarks")
-SOURCE_FILES = ("k3jax/aot.py", "k3jax/kernel_ptxas.py", "k3jax/kernel_sass.py", "k3jax/xla_options.py",
-                "k3jax/targets/h200.txtpb", "k3jax/layout.py", "tests/compile_cache.py")
+SOURCE_FILES = ("k3jax/tools/aot.py", "k3jax/tools/kernel_ptxas.py", "k3jax/tools/kernel_sass.py",
+                "k3jax/tools/triton_compile.py", "k3jax/tools/peers.py", "k3jax/xla_options.py",
+                "k3jax/data/h200.txtpb", "k3jax/layout/layout.py", "tests/compile_cache.py")
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "nvidia-cuda-nvcc", "nvidia-cuda-nvdisasm",
             "tokamax")
 

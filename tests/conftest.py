@@ -43,7 +43,7 @@ interpret_compat.reserve_pool_threads(8)
 
 
 TIERS = {
-    "compile": "deviceless compiles for the H200 (k3jax.aot): XLA's GPU pipeline or ptxas",
+    "compile": "deviceless compiles for the H200 (k3jax.tools.aot): XLA's GPU pipeline or ptxas",
     "slow": "heavy CPU runs: interpret-mode Mosaic kernels at larger shapes or many "
             "launches, multi-process runs",
     "integration": "end to end: notebooks, subprocess runs of the CLI and benchmark scripts",

@@ -1,5 +1,5 @@
-"""k3jax.hlo_schedule on small programs compiled for 8 H200s without a GPU
-(compile-only devices from k3jax.aot; nothing runs), and on the replica-group
+"""k3jax.tools.hlo_schedule on small programs compiled for 8 H200s without a GPU
+(compile-only devices from k3jax.tools.aot; nothing runs), and on the replica-group
 spellings XLA prints. About 10 s on 2 cores (measured)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.aot import h200_mesh
-from k3jax.hlo_schedule import collective_schedule, collective_table, in_scope, shape_bytes
 from k3jax.layout import DATA, TENSOR, ParallelConfig
+from k3jax.tools.aot import h200_mesh
+from k3jax.tools.hlo_schedule import collective_schedule, collective_table, in_scope, shape_bytes
 
 pytestmark = pytest.mark.tiers(
     compile=[

@@ -1,13 +1,13 @@
 """Every Mosaic GPU kernel configuration of benchmarks/compile_table.py compiles
 for the H200 (sm_90a) through ptxas without a GPU, and holds to the golden
-file benchmarks/results/sm90a_kernels.json: no kernel uses more registers or
+file k3jax/data/sm90a_kernels.json: no kernel uses more registers or
 spills more bytes than the file says, every configuration is in the file and
 the file names no configuration that no longer exists. The configurations:
 the ones benchmarks.kernel_sweep times (grouped sweep, jax's Mosaic
 ragged_dot peers, MLP sweep), tokamax.ragged_dot at the headline shapes, the
 MXFP4 and weight-gradient kernels, and every distinct kernel of
 benchmarks/gpu_kernel_checks.py. The ptxas is the nvidia-cuda-nvcc wheel's
-(k3jax.aot.pin_wheel_ptxas).
+(k3jax.tools.aot.pin_wheel_ptxas).
 
 A configuration with fewer registers or spill bytes than the file passes
 with a warning: regenerate the file
@@ -30,7 +30,7 @@ import pytest
 from compile_cache import kernel_reports
 
 from benchmarks import compile_table
-from k3jax.aot import pin_wheel_ptxas
+from k3jax.tools.aot import pin_wheel_ptxas
 
 pytestmark = pytest.mark.compile
 

@@ -1,5 +1,5 @@
 """Every 8-device layout of tests/layout_cases.py at full K3 size (BF16, MXFP4
-experts) compiled for 8 H200s without a GPU (k3jax.compile.compile_layer), at
+experts) compiled for 8 H200s without a GPU (k3jax.tools.compile.compile_layer), at
 256 and 8192 tokens: the MoE layer 1 with XLA, the dense layer 0 with XLA
 (once per distinct dense placement), and the MoE layer 1 with the Pallas
 backend in the layout of the issue's "done when" command (sp_ep_tp8_shard).
@@ -41,12 +41,12 @@ import pytest
 from jax.sharding import NamedSharding
 
 from k3jax import K3, TINY, MlpMode, ParallelConfig, SharedOverlap, make_layout
-from k3jax.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
-from k3jax.compile import CompileReport, compile_layer
-from k3jax.hlo_schedule import in_scope
-from k3jax.kernel_ptxas import TOKAMAX_PEER
 from k3jax.layout import ExpertStorage
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE, moe_decls
+from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
+from k3jax.tools.compile import CompileReport, compile_layer
+from k3jax.tools.hlo_schedule import in_scope
+from k3jax.tools.kernel_ptxas import TOKAMAX_PEER
 from layout_cases import (
     LAYOUTS,
     MULTI_DEVICE,

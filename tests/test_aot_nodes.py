@@ -13,11 +13,11 @@ import functools
 
 import pytest
 
-from k3jax.compile import compile_layer
 from k3jax.config import K3
-from k3jax.hlo_schedule import in_scope
 from k3jax.layout import DATA, NODE, TENSOR, EpDispatch, ParallelConfig, SharedOverlap
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
+from k3jax.tools.compile import compile_layer
+from k3jax.tools.hlo_schedule import in_scope
 
 pytestmark = pytest.mark.compile
 

@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from benchmarks.token_sweep import crossover_tokens, default_experts, scale_config
 from k3jax import K3, TINY
 from k3jax.cli import main as cli_main
 from k3jax.files import atomic_write
+from k3jax.tools.token_sweep import crossover_tokens, default_experts, scale_config
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

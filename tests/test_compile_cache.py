@@ -9,7 +9,7 @@ import time
 import compile_cache
 import pytest
 
-from k3jax.aot import PtxasReport
+from k3jax.tools.aot import PtxasReport
 
 REPORT = PtxasReport(name="grouped_matmul_m64_3", registers=168, spill_store_bytes=4,
                      spill_load_bytes=8, warnings=("ptxas warning : one",), smem_bytes=221_264,

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-import k3jax.aot
+import k3jax.tools.aot
 from k3jax.cli import main
 from k3jax.cli.platforms import default_jax_platforms, default_xla_flags
-from k3jax.plan import plan_layer_bytes
+from k3jax.tools.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
 pytestmark = pytest.mark.tiers(
@@ -132,7 +132,7 @@ def test_bad_flag_values_exit_2(argv, capsys):
 
 
 def test_a_missing_gpu_compile_extra_is_one_line_naming_it(monkeypatch, capsys):
-    monkeypatch.setattr(k3jax.aot, "_nvcc_wheel_bin", lambda: None)
+    monkeypatch.setattr(k3jax.tools.aot, "_nvcc_wheel_bin", lambda: None)
     assert main(["compile", "--preset", "tiny", "--tp", "8", "--layer", "0",
                  "--expert-dtype", "bfloat16"]) == 1
     assert "install the gpu-compile extra" in one_line_error(capsys.readouterr().err)

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from k3jax.cli import main
-from k3jax.compile_grads import compile_layer_grads
 from k3jax.config import K3, TINY
 from k3jax.layout import ParallelConfig
-from k3jax.plan import plan_layer_bytes
+from k3jax.tools.compile_grads import compile_layer_grads
+from k3jax.tools.plan import plan_layer_bytes
 from layout_cases import LAYOUTS
 
 pytestmark = pytest.mark.compile

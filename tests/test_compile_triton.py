@@ -10,10 +10,10 @@ import jax
 import pytest
 from flax import nnx
 
-from k3jax.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
 from k3jax.cli import main
-from k3jax.compile import compiled_bytes, layer_on_mesh, shard_bytes
 from k3jax.config import K3
+from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
+from k3jax.tools.compile import compiled_bytes, layer_on_mesh, shard_bytes
 from layout_cases import (
     LAYOUTS,
     MXFP4_DECODE_TEMP_MAX,
@@ -58,7 +58,7 @@ def test_triton_usage_errors_exit_2(argv, words, capsys):
 def _temporaries(tokens: int, expert_dtype: str) -> int:
     """MoE layer 1 of K3 on the MXFP4 layout (SP + EP + shard, tp 8), its
     Triton kernels lowered for sm_90 inside XLA's deviceless compile for 8
-    H200s (k3jax.compile.compile_layer's program; that function compiles the
+    H200s (k3jax.tools.compile.compile_layer's program; that function compiles the
     xla and pallas backends): per-device temporaries in bytes."""
     parallel = LAYOUTS[MXFP4_LAYOUT]
     with triton_target(90):

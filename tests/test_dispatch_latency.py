@@ -1,6 +1,6 @@
-"""analysis.ep_destinations / dispatch_latency (the dispatch latency model
-of EP across nodes), its committed auto table (k3jax/ep_dispatch_table.py),
-the pure lookup k3jax.ep_dispatch_choice and ``k3jax latency --nodes``: the
+"""k3jax.tools.ep_destinations / dispatch_latency (the dispatch latency model
+of EP across nodes), its committed auto table (k3jax/layout/ep_dispatch_table.py),
+the pure lookup k3jax.layout.ep_dispatch_choice and ``k3jax latency --nodes``: the
 destination formulas against brute force and Monte Carlo, each form's bytes
 against hand counts, the latency rule against NCCL's tuning model, and the
 table's currency. Model-consistency checks: nothing here times anything."""
@@ -13,12 +13,12 @@ import math
 
 import pytest
 
-from analysis import dispatch_latency as dl
-from analysis import ep_destinations as ed
-from analysis.layer_schedule import NVLINK
-from k3jax import ep_dispatch_choice, ep_dispatch_table
 from k3jax.cli import main
 from k3jax.config import K3
+from k3jax.layout import ep_dispatch_choice, ep_dispatch_table
+from k3jax.tools import dispatch_latency as dl
+from k3jax.tools import ep_destinations as ed
+from k3jax.tools.layer_schedule import NVLINK
 from pallas_kernels.hardware import H200
 
 pytestmark = pytest.mark.tiers(slow=["test_committed_table_is_the_models"])
@@ -222,7 +222,7 @@ def test_picks_agree_with_the_model_where_they_change(ep, nodes):
 
 def test_committed_table_is_the_models():
     """Regenerating the table gives the committed file."""
-    from analysis import write_dispatch_table as w
+    from scripts import write_dispatch_table as w
 
     with open(w.TABLE_PATH) as f:
         assert w.render(w.picks()) == f.read(), f"stale table: run {w.COMMAND}"

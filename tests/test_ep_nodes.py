@@ -6,7 +6,7 @@ token's experts on one device, half the experts empty), at awkward token
 counts (37: not a multiple of the 16 row blocks; 5: most devices own only
 padding rows).
 
-On the CPU ragged all-to-all runs as its emulation (k3jax.ragged_a2a,
+On the CPU ragged all-to-all runs as its emulation (k3jax.parallel.ragged_a2a,
 Layout.ragged_emulated); tests/test_aot_nodes.py compiles the real
 collective for 2 x 8 and 4 x 8 H200s and checks the collectives there.
 """
@@ -25,8 +25,8 @@ import pytest
 import tiers
 from k3jax import TINY, ParallelConfig, RandomSource, SharedOverlap, build_layer, make_layout, make_mesh
 from k3jax.layout import DATA, NODE, TENSOR, EpDispatch, EpDispatchError
-from k3jax.parallel_config import node_of_devices
-from k3jax.plan import dispatch_buffer_bytes, moe_collectives
+from k3jax.layout.parallel import node_of_devices
+from k3jax.tools.plan import dispatch_buffer_bytes, moe_collectives
 from numerics import rel_err
 
 CFG = dataclasses.replace(TINY, num_experts=64)     # 4 experts a device on 16 devices = top-k

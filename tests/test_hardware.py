@@ -1,9 +1,9 @@
 """The one hardware description (pallas_kernels.hardware.H200) and the
-deviceless compile target (k3jax/targets/h200.txtpb) state the same chip."""
+deviceless compile target (k3jax/data/h200.txtpb) state the same chip."""
 
 import re
 
-from k3jax.aot import h200_target_config
+from k3jax.tools.aot import h200_target_config
 from pallas_kernels.hardware import H200
 
 

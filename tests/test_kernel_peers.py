@@ -1,4 +1,4 @@
-"""k3jax.kernel_ptxas: our grouped launches found in a traced program, and
+"""k3jax.tools.kernel_ptxas: our grouped launches found in a traced program, and
 tokamax.ragged_dot (the peer) compiled for their shapes for one H200 (sm_90a,
 deviceless). About 40 s on the loaded 2-core machine (two tokamax compiles)."""
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from k3jax.kernel_ptxas import (
+from k3jax.tools.kernel_ptxas import (
     TOKAMAX_PEER,
     GroupedLaunch,
     grouped_launches,

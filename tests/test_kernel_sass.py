@@ -1,4 +1,4 @@
-"""k3jax.kernel_sass on hand-written nvdisasm text: the K-step loop is the
+"""k3jax.tools.kernel_sass on hand-written nvdisasm text: the K-step loop is the
 smallest loop holding an HGMMA, nested loops count their trips (an immediate
 counter, or ptxas's two-pass uniform flag), out-of-line retry code and
 NOT_DEQUANT opcodes are not counted."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3jax import kernel_sass
+from k3jax.tools import kernel_sass
 
 
 def _sass(lines: list[str]) -> str:

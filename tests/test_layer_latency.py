@@ -1,6 +1,6 @@
-"""analysis.layer_latency / layer_schedule (the whole-layer latency model),
-its committed auto table (k3jax/shared_overlap_table.py), the pure lookup
-k3jax.shared_overlap_choice and ``k3jax latency``: the model's arithmetic
+"""k3jax.tools.layer_latency / layer_schedule (the whole-layer latency model),
+its committed auto table (k3jax/layout/shared_overlap_table.py), the pure lookup
+k3jax.layout.shared_overlap_choice and ``k3jax latency``: the model's arithmetic
 against hand counts, its consistency with vLLM's published points within
 the error it states, and the table's currency. Model-consistency checks,
 not timing thresholds: nothing here times anything."""
@@ -13,12 +13,12 @@ import math
 
 import pytest
 
-from analysis import kernel_cost
-from analysis import layer_latency as ll
-from analysis import layer_schedule as ls
-from k3jax import shared_overlap_choice, shared_overlap_table
 from k3jax.cli import main
 from k3jax.config import K3
+from k3jax.layout import shared_overlap_choice, shared_overlap_table
+from k3jax.tools import kernel_cost
+from k3jax.tools import layer_latency as ll
+from k3jax.tools import layer_schedule as ls
 from pallas_kernels.hardware import H200
 
 pytestmark = pytest.mark.tiers(slow=["test_committed_table_is_the_models_and_meets_the_target"])
@@ -153,7 +153,7 @@ def test_committed_table_is_the_models_and_meets_the_target():
     """Regenerating the table gives the committed file, and by the model
     auto / replicated <= 1.05 for the MoE layer at tp 4 and tp 8, dp 1,
     at every grid token count."""
-    from analysis import write_overlap_table as w
+    from scripts import write_overlap_table as w
 
     picks = w.picks()
     with open(w.TABLE_PATH) as f:

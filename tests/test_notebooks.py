@@ -26,7 +26,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from k3jax import ep_dispatch_choice
+from k3jax.layout import ep_dispatch_choice
 
 pytestmark = pytest.mark.tiers(
     integration=[

@@ -1,13 +1,13 @@
 """The overlapped SP-sharded MLP (SharedOverlap.RING).
 
-- k3jax.collective_matmul on fresh random arrays against a float64 numpy
+- k3jax.parallel.ring on fresh random arrays against a float64 numpy
   reference (8 simulated devices);
 - RING against the unoverlapped layout (SharedOverlap.NONE): float32 within
   1e-6 relative, bf16 within the layout tests' tolerance, T not divisible by tp;
-- the compiled program for 8 H200s (k3jax.aot, no GPU): the same bytes over
+- the compiled program for 8 H200s (k3jax.tools.aot, no GPU): the same bytes over
   the wire as the all-gather + reduce-scatter, and every ring transfer in
   flight (an async start/done pair) across a matmul, for the dense layer 0 and
-  the shared expert of a MoE layer at K3's widths (k3jax.hlo_schedule).
+  the shared expert of a MoE layer at K3's widths (k3jax.tools.hlo_schedule).
 
 About 80 s on 2 cores (measured), half of it the four H200 compiles.
 """
@@ -25,11 +25,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax import K3, TINY, AbstractSource, ParallelConfig, SharedOverlap, build_layer, make_layout
-from k3jax.aot import h200_mesh
-from k3jax.collective_matmul import ring_all_gather_map, ring_reduce_scatter_map, ring_sp_mlp
-from k3jax.hlo_schedule import collective_schedule
 from k3jax.layout import DATA, TENSOR, make_mesh
-from k3jax.plan import moe_collectives
+from k3jax.parallel.ring import ring_all_gather_map, ring_reduce_scatter_map, ring_sp_mlp
+from k3jax.tools.aot import h200_mesh
+from k3jax.tools.hlo_schedule import collective_schedule
+from k3jax.tools.plan import moe_collectives
 from layout_cases import LAYOUTS, UNOVERLAPPED, output, rel_err
 
 pytestmark = pytest.mark.tiers(

@@ -1,6 +1,6 @@
 """Per-device bytes of the shared expert's parameters: measured from the placed
 arrays' addressable shards (8 simulated devices) and checked against
-k3jax.memory.param_shard_bytes; sharded = replicated / tp exactly (SPEC 4, 6).
+k3jax.tools.memory.param_shard_bytes; sharded = replicated / tp exactly (SPEC 4, 6).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax import K3, TINY, AbstractSource, MlpMode, ParallelConfig, abstract_mesh, build_layer, make_layout
-from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
+from k3jax.tools.memory import addressable_bytes_per_device, param_shard_bytes
 from layout_cases import LAYOUTS, MOE_LAYER, module
 
 SHARED = ("gate_DF", "up_DF", "down_FD")

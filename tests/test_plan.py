@@ -24,11 +24,11 @@ from k3jax import (
     build_layer,
     make_layout,
     make_mesh,
-    shared_overlap_choice,
 )
 from k3jax.cli import main as cli_main
-from k3jax.memory import addressable_bytes_per_device, param_shard_bytes
-from k3jax.plan import (
+from k3jax.layout import shared_overlap_choice
+from k3jax.tools.memory import addressable_bytes_per_device, param_shard_bytes
+from k3jax.tools.plan import (
     COMPONENTS,
     format_gb,
     format_gib,
@@ -125,8 +125,8 @@ def test_mxfp4_plan_matches_placed_packed_experts(eight_devices):
     arrays (uint8 codes + scales), per device, in TP (padded) and EP layouts."""
     from k3jax import RandomSource, make_mesh
     from k3jax.layout import ExpertStorage
-    from k3jax.memory import addressable_bytes_per_device
     from k3jax.modules.moe import KimiMoE
+    from k3jax.tools.memory import addressable_bytes_per_device
     cfg = TINY.replace(moe_intermediate_size=256, min_moe_intermediate_per_partition=64)
     for parallel in (ParallelConfig(tp=8), ParallelConfig(tp=8, sequence_parallel=True,
                                                           expert_parallel=True)):

@@ -15,7 +15,7 @@ import k3jax.modules.moe as moe_module
 from k3jax import DATA, TENSOR, TINY, TINY_GROUPED, ParallelConfig, make_mesh, route
 from k3jax.layout import padded_rows
 from k3jax.ops import SiTU, routed_experts
-from k3jax.sequence_parallel import gather_rows, pad_rows, scatter_rows
+from k3jax.parallel.sequence import gather_rows, pad_rows, scatter_rows
 from layout_cases import MOE_LAYER, module, output, rel_err
 
 

@@ -34,7 +34,7 @@ from k3jax.checkpoint.names import layer_prefix, layer_tensors
 from k3jax.checkpoint.source import CheckpointSource
 from k3jax.config import TINY
 from k3jax.layout import ParallelConfig, make_mesh
-from k3jax.memory import param_shard_bytes
+from k3jax.tools.memory import param_shard_bytes
 
 pytestmark = pytest.mark.tiers(
     slow=["test_two_processes_each_read_only_their_share"])

@@ -1,6 +1,6 @@
 """SharedOverlap.AUTO, the default: the form (and scatter dtype) of an
 SP-sharded shared expert / dense MLP picked per static token count from the
-committed table (k3jax.shared_overlap_choice), resolved by
+committed table (k3jax.layout.shared_overlap_choice), resolved by
 Layout.for_tokens before anything uses it.
 
 Checked: the resolution itself (per table range, the dense MLP's own pick,
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import tiers
-from k3jax import K3, TINY, EpDispatch, ParallelConfig, SharedOverlap, make_layout, shared_overlap_choice
+from k3jax import K3, TINY, EpDispatch, ParallelConfig, SharedOverlap, make_layout
 from k3jax.cli import main
+from k3jax.layout import shared_overlap_choice
 from layout_cases import DENSE_LAYER, EXTRA_LAYOUTS, MOE_LAYER, add_layout, output
 
 AUTO = [name for name in EXTRA_LAYOUTS if name.endswith("_auto")]

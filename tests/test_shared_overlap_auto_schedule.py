@@ -20,10 +20,11 @@ import functools
 
 import pytest
 
-from k3jax import K3, ParallelConfig, SharedOverlap, shared_overlap_choice
-from k3jax.compile import CompileReport, compile_layer
-from k3jax.hlo_schedule import in_scope
+from k3jax import K3, ParallelConfig, SharedOverlap
+from k3jax.layout import shared_overlap_choice
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
+from k3jax.tools.compile import CompileReport, compile_layer
+from k3jax.tools.hlo_schedule import in_scope
 
 pytestmark = pytest.mark.compile
 

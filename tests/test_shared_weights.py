@@ -30,7 +30,7 @@ from test_grads import compare, flat_grads, named, placed_case
 from k3jax import TINY, AbstractSource, MlpMode, SharedOverlap, build_layer, make_layout, make_mesh
 from k3jax.cli import main
 from k3jax.layout import TENSOR
-from k3jax.plan import format_gib, layer_param_bytes, moe_collectives
+from k3jax.tools.plan import format_gib, layer_param_bytes, moe_collectives
 from layout_cases import (
     EXTRA_LAYOUTS,
     LAYOUTS,

@@ -1,7 +1,7 @@
 """The weight-gathered shared expert (SharedOverlap.WEIGHTS) in the compiled
 8 x H200 schedule: K3's MoE layer 1 at full size (bf16, MXFP4 experts, XLA
 backend), compiled without a GPU with OVERLAP_COMPILER_OPTIONS
-(k3jax.compile.compile_layer), SP + EP at tp 8, tp 4 and dp 2 x tp 4, 2048
+(k3jax.tools.compile.compile_layer), SP + EP at tp 8, tp 4 and dp 2 x tp 4, 2048
 and 8192 tokens. Each (layout, tokens, form) compiles once per process.
 
 Checked:
@@ -22,9 +22,9 @@ import functools
 import pytest
 
 from k3jax import K3, ParallelConfig, SharedOverlap, make_layout
-from k3jax.compile import CompileReport, compile_layer
-from k3jax.hlo_schedule import ScheduledCollective, in_scope
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE
+from k3jax.tools.compile import CompileReport, compile_layer
+from k3jax.tools.hlo_schedule import ScheduledCollective, in_scope
 
 pytestmark = pytest.mark.compile
 

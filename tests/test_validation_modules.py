@@ -19,7 +19,7 @@ from k3jax import TINY, KimiMLP, KimiMoE, MlpMode, ParallelConfig, SiTU, make_la
 from k3jax.layout import ExpertStorage, abstract_mesh
 from k3jax.modules import AbstractSource, RandomSource, build_layer
 from k3jax.modules.moe import expert_weights
-from k3jax.plan import make_plan
+from k3jax.tools.plan import make_plan
 from numerics import rel_err
 from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 from reference_np import np_mlp

@@ -151,8 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
     request_devices(args.devices or DEFAULT_CPU_DEVICES)   # a no-op once JAX has started
     if args.backend == "interpret":
         interpret_compat.reserve_pool_threads(args.devices or DEFAULT_CPU_DEVICES)
-    from benchmarks.token_sweep import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
     from k3jax.files import atomic_write
+    from k3jax.tools.token_sweep import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config
 
     devices, simulated = _select_devices(args)
     n = len(devices)

@@ -25,7 +25,7 @@ from k3jax.layout import (
     ParallelConfig,
     SharedOverlap,
 )
-from k3jax.parallel_config import SCATTER_DTYPES, SHARD_SHARED_EXPERT_ENV
+from k3jax.layout.parallel import SCATTER_DTYPES, SHARD_SHARED_EXPERT_ENV
 from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -1,5 +1,5 @@
 """``k3jax compile``: one layer compiled for H200 GPUs on this machine, without
-a GPU (k3jax.compile): the compiler's per-device bytes against the planner's,
+a GPU (k3jax.tools.compile): the compiler's per-device bytes against the planner's,
 the collective schedule, and with ``--backend pallas`` every Mosaic GPU
 kernel's registers, spills, shared memory and grid. Never touches a GPU: the
 process compiles with JAX_PLATFORMS=cpu for compile-only CUDA devices."""
@@ -63,15 +63,15 @@ def main(args: argparse.Namespace, prog: str) -> int:
     import jax
     jax.config.update("jax_platforms", "cpu")
     if args.backend == "triton":
-        from k3jax.compile_triton import print_report as print_triton
+        from k3jax.tools.compile_triton import print_report as print_triton
         return report_errors(lambda: print_result(_compile_triton(args), args.json, print_triton),
                              prog)
     return report_errors(lambda: print_result(_compile(args), args.json, print_report), prog)
 
 
 def _compile_triton(args: argparse.Namespace):
-    """The layer's Triton kernels compiled for --compute-capability (k3jax.compile_triton)."""
-    from k3jax.compile_triton import TritonCompileReport, compile_layer_triton
+    """The layer's Triton kernels compiled for --compute-capability (k3jax.tools.compile_triton)."""
+    from k3jax.tools.compile_triton import TritonCompileReport, compile_layer_triton
 
     cfg, _ = config_from_args(args)
     parallel = layer_parallel_from_args(args)
@@ -115,11 +115,11 @@ def _compile_one(args: argparse.Namespace, cfg, parallel):
     from pallas_kernels.mxfp4 import Mxfp4Dequant
     dequant = Mxfp4Dequant(args.mxfp4_dequant)
     if args.grads:
-        from k3jax.compile_grads import compile_layer_grads
+        from k3jax.tools.compile_grads import compile_layer_grads
         return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
                                    backend=args.backend, dtype=args.dtype,
                                    expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
-    from k3jax.compile import compile_layer
+    from k3jax.tools.compile import compile_layer
     return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
                          dtype=args.dtype, expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
 
@@ -129,7 +129,7 @@ def print_report(report, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from k3jax.plan import format_gb
+    from k3jax.tools.plan import format_gb
 
     d = report.to_dict()
     console = Console(file=file or sys.stdout, width=140)

@@ -1,8 +1,8 @@
 """``k3jax latency``: the whole-layer latency model's prediction
-(analysis.layer_latency) of one K3 MoE layer and the dense layer on one H200
+(k3jax.tools.layer_latency) of one K3 MoE layer and the dense layer on one H200
 node, for every shared-expert form and the ``auto`` pick, against the
 replicated shared expert; with ``--nodes N``, the dispatch latency model's
-(analysis.dispatch_latency) per-layer time of every way of moving the
+(k3jax.tools.dispatch_latency) per-layer time of every way of moving the
 routed rows under expert parallelism over N nodes, and the ``auto`` pick.
 Model predictions, not measurements."""
 
@@ -17,8 +17,8 @@ from k3jax.cli.common import UsageError, positive_int, report_errors
 DEFAULT_TOKENS = (8, 32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_LAYOUTS = ((4, 1), (8, 1), (4, 2))          # (tp, dp), SP + EP
 TARGET_RATIO = 1.05
-LABEL = "model prediction (analysis.layer_latency), not a measurement"
-DISPATCH_LABEL = "model prediction (analysis.dispatch_latency), not a measurement"
+LABEL = "model prediction (k3jax.tools.layer_latency), not a measurement"
+DISPATCH_LABEL = "model prediction (k3jax.tools.dispatch_latency), not a measurement"
 GPUS_PER_NODE_DEFAULT_TP = 8        # --nodes alone: tp 8, dp = nodes (8 GPUs a node)
 
 
@@ -86,8 +86,8 @@ def _latency(args: argparse.Namespace) -> int:
     if args.routing_skew:
         raise UsageError(f"--routing-skew {args.routing_skew}: needs --nodes (the dispatch model)")
     args.layer = args.layer or ["moe", "dense"]
-    from analysis import layer_latency as ll
     from k3jax.config import K3
+    from k3jax.tools import layer_latency as ll
 
     layouts = layouts_from_args(args)
     for tp, dp in layouts:
@@ -108,7 +108,7 @@ def run(cfg, layouts, tokens, layers, progress=None) -> dict:
     """The --json object: hardware (figures and sources), one row per
     (layer, layout, tokens, form, scatter dtype), the auto pick per (layer,
     layout, tokens), the module model against vLLM, and notes."""
-    from analysis import layer_latency as ll
+    from k3jax.tools import layer_latency as ll
 
     rows, auto, notes, details = [], [], [], {}
     for layer in layers:
@@ -208,8 +208,8 @@ def print_tables(result: dict, file=None) -> None:
 def dispatch_layouts(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(tp, dp) pairs for --nodes: --tp x --dp, tp 8 and dp = nodes by
     default; UsageError naming the flag for a layout the model cannot take."""
-    from analysis import dispatch_latency as dl
     from k3jax.config import K3
+    from k3jax.tools import dispatch_latency as dl
 
     nodes = args.nodes
     layouts = [(tp, dp) for tp in (args.tp or [GPUS_PER_NODE_DEFAULT_TP])
@@ -248,9 +248,9 @@ def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=N
     dispatch + combine time and bytes on each link (each transfer listed),
     and per (layout, tokens) the model's fastest form and the committed
     table's pick (k3jax's auto)."""
-    from analysis import dispatch_latency as dl
-    from analysis import ep_destinations as ed
-    from k3jax import ep_dispatch_choice
+    from k3jax.layout import ep_dispatch_choice
+    from k3jax.tools import dispatch_latency as dl
+    from k3jax.tools import ep_destinations as ed
 
     routing = ed.Routing(skew)
     out_layouts, rows, auto = [], [], []
@@ -268,7 +268,7 @@ def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=N
                          "fastest": fastest, "layer_s": ests[fastest].layer_s,
                          "pick": ep_dispatch_choice.pick(ep, nodes, t),
                          "tabulated": (ep, nodes) in ep_dispatch_choice.tabulated()})
-    notes = [f"pick: k3jax's auto (k3jax.ep_dispatch_choice, the committed table: uniform routing; "
+    notes = [f"pick: k3jax's auto (k3jax.layout.ep_dispatch_choice, the committed table: uniform routing; "
              f"an (ep, nodes) it does not hold gets {ep_dispatch_choice.FALLBACK_MULTI_NODE} over "
              f"several nodes, {ep_dispatch_choice.FALLBACK_ONE_NODE} on one); fastest: this run's "
              f"model under {routing.name} routing"]

@@ -36,7 +36,7 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 
 def _plan(args: argparse.Namespace):
-    from k3jax.plan import make_plan
+    from k3jax.tools.plan import make_plan
 
     cfg, source = config_from_args(args)
     parallel = layer_parallel_from_args(args)
@@ -53,7 +53,7 @@ def print_plan(plan, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from k3jax.plan import COMPONENTS, format_gb, format_gib
+    from k3jax.tools.plan import COMPONENTS, format_gb, format_gib
 
     console = Console(file=file or sys.stdout, width=140)
     lay, cfg = plan.layout, plan.cfg

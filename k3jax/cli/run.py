@@ -29,7 +29,7 @@ from k3jax.cli.common import (
     request_devices,
     require_devices,
 )
-from k3jax.parallel_config import NODE
+from k3jax.layout.parallel import NODE
 from k3jax.runtime import agreement, startup, supervision
 from pallas_kernels import interpret_compat
 
@@ -235,7 +235,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
     from k3jax.checkpoint import load_layers, make_synthetic_checkpoint
     from k3jax.config import TINY
     from k3jax.layout import make_mesh
-    from k3jax.memory import format_bytes, param_shard_bytes
+    from k3jax.tools.memory import format_bytes, param_shard_bytes
 
     with tempfile.TemporaryDirectory(prefix="k3jax-tiny-") as tmp:
         if args.checkpoint is None:

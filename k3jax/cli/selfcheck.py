@@ -135,8 +135,8 @@ def run_layer_checks(cfg, parallel, layer: int, *, tokens: int, backend: str, dt
     import jax
     from flax import nnx
 
-    from k3jax.compile import layer_on_mesh
     from k3jax.layout import make_mesh
+    from k3jax.tools.compile import layer_on_mesh
     from pallas_kernels.selfcheck import gate
 
     built = layer_on_mesh(cfg, parallel, layer, make_mesh(parallel, pick_devices(parallel.num_devices)),

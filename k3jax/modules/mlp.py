@@ -16,12 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
-from k3jax.collective_matmul import ring_sp_mlp
 from k3jax.layout import TENSOR, Layout, MlpLayout, MlpMode, SharedOverlap, check_mesh
 from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, situ_mlp
 from k3jax.ops.matmul import matmul
-from k3jax.sequence_parallel import gather_rows, row_sharded_forward, scatter_rows
+from k3jax.parallel.ring import ring_sp_mlp
+from k3jax.parallel.sequence import gather_rows, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import ResolvedBackend
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 

@@ -28,7 +28,7 @@ Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch`
                      experts held here run, and the float32 latent is
                      reduce-scattered back before the RMSNorm (or, under
                      EpDispatch.ALL_TO_ALL, rows and latent move by ragged
-                     all-to-all, k3jax.ep_exchange). Covers LOCAL (no axes),
+                     all-to-all, k3jax.parallel.ep_exchange). Covers LOCAL (no axes),
                      TP under SP (TENSOR) and EP (all).
     moe_tp_local     Dispatch.ALL_REDUCE (tp > 1 without SP): rows replicated
                      over TENSOR; every expert's F split (TP) or whole experts
@@ -49,7 +49,6 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-from k3jax.ep_exchange import all_to_all_routed, gather_staged, scatter_staged
 from k3jax.layout import (
     TENSOR,
     Dispatch,
@@ -78,7 +77,8 @@ from k3jax.ops.experts import (
     sort_pairs,
 )
 from k3jax.ops.matmul import matmul
-from k3jax.sequence_parallel import row_sharded_forward
+from k3jax.parallel.ep_exchange import all_to_all_routed, gather_staged, scatter_staged
+from k3jax.parallel.sequence import row_sharded_forward
 from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Dequant, Mxfp4Weights
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
@@ -92,7 +92,7 @@ MXFP4_EXPERT_PARAMS = tuple(name for names in MXFP4_PARAM_NAMES.values() for nam
 
 SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside KimiMoE
 # jax.named_scope of the two branches: compiled ops' op_name metadata carries
-# them, so a schedule (k3jax.hlo_schedule) can tell shared from routed work.
+# them, so a schedule (k3jax.tools.hlo_schedule) can tell shared from routed work.
 SHARED_SCOPE, ROUTED_SCOPE = "shared_expert", "routed_experts"
 
 

@@ -176,7 +176,7 @@ class LaunchPlan:
 def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dtype,
                 out_dtype, cfg: TileConfig | None = None) -> LaunchPlan:
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] launch (what the
-    launcher runs; analysis/kernel_cost.py replays it).
+    launcher runs; k3jax/tools/kernel_cost.py replays it).
 
     With cfg.split_k > 1 the kernel writes f32 partials (out_dtype is then
     ignored for the kernel's own output) and every K range needs at least

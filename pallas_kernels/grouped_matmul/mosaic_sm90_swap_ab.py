@@ -185,7 +185,7 @@ def fit_smem(cfg: SwapABConfig, num_weights: int, in_bytes: int, out_bytes: int)
 def plan_launch(m: int, k: int, n: int, num_groups: int, num_weights: int, in_dtype,
                 out_dtype, cfg: SwapABConfig) -> SwapABPlan:
     """Fit the tiles of a [m, k] x num_weights x [G, k, n] swap-AB launch
-    (what the launcher runs; analysis/kernel_cost.py replays it). With
+    (what the launcher runs; k3jax/tools/kernel_cost.py replays it). With
     cfg.split_k > 1 the kernel writes f32 partials, and every K range needs
     at least max_concurrent_steps K steps; with cfg.cluster = C > 1 the
     output has whole superblocks of C N-blocks (n_pad; the weights keep N

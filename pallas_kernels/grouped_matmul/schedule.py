@@ -10,7 +10,7 @@ row x_rows(M, block_m) when it would run past it. There are at most
 num_work_items(M, G, block_m) items.
 
 The kernels (mosaic_sm90*.py, triton_sm80.py) launch from these tables, and
-analysis/kernel_cost.py replays the same functions on concrete sizes.
+k3jax/tools/kernel_cost.py replays the same functions on concrete sizes.
 """
 
 from __future__ import annotations

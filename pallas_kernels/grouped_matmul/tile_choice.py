@@ -1,5 +1,5 @@
 """The launchers' tile choice: a lookup in the committed table
-(tile_table.py, written by ``python -m analysis.write_tile_table``).
+(tile_table.py, written by ``python -m scripts.write_tile_table``).
 
 Key: (op, M bucket, K, N, groups, num_weights, dtype name), op "grouped"
 (grouped_matmul: num_weights 1; grouped_situ_glu: 2) or "mlp" (situ_mlp_up:

@@ -1,7 +1,7 @@
-"""analysis.kernel_cost: the model's own
+"""k3jax.tools.kernel_cost: the model's own
 arithmetic against hand counts (tiles, bytes, flops, SM fill, the chained
 launch's overhead, the split-K tiles), and the one hardware description
-it and the layer latency model (analysis.layer_schedule) read. What the
+it and the layer latency model (k3jax.tools.layer_schedule) read. What the
 tile search picks is not tested (the table's currency is:
 tests/kernels/test_tile_table.py)."""
 
@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from analysis import kernel_cost, layer_schedule, tile_search
+from k3jax.tools import kernel_cost, layer_schedule, tile_search
 from pallas_kernels.grouped_matmul import mosaic_sm90
 from pallas_kernels.hardware import H200
 

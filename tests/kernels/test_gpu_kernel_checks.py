@@ -83,7 +83,7 @@ def test_cases_cover_what_the_benchmark_sweep_does_not():
     assert any(c.m >= 128 * c.groups for c in checks.CASES if c.op != "mlp")   # prefill tiles
     assert np.all([c.m > 0 for c in checks.CASES])
     # the persistent path on the device: a CTA runs many tiles and the ring wraps
-    from analysis import kernel_cost
+    from k3jax.tools import kernel_cost
     many = [c for c in checks.CASES if c.op != "mlp" and c.k >= 1024 and kernel_cost.grouped_cost(
         kc.group_pattern(c.pattern, c.m, c.groups), c.m, c.k, c.n,
         1 if c.op == "matmul" else 2).tiles >= 1000]

@@ -20,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
 import tiers  # noqa: E402
-from analysis import kernel_cost, tile_search, write_tile_table  # noqa: E402
+from k3jax.tools import kernel_cost, tile_search
 from pallas_kernels.grouped_matmul import api, schedule, tile_choice, tile_table  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
+from scripts import write_tile_table  # noqa: E402
 
 pytestmark = pytest.mark.tiers(
     compile=["test_table_and_x_lean_swap_ab_tiles_compile_for_sm90a_without_spills",
@@ -203,7 +204,7 @@ def _compile_without_spills(tilings) -> None:
     spill bytes, no serialized WGMMA warning."""
     from compile_cache import cached_reports
 
-    from k3jax.kernel_ptxas import ptxas_reports
+    from k3jax.tools.kernel_ptxas import ptxas_reports
     S = jax.ShapeDtypeStruct
     for (op, cfg), (_, m, k, n, groups, _, dtype) in tilings.items():
         x, w, sizes = S((m, k), dtype), S((groups, k, n), dtype), S((groups,), jnp.int32)

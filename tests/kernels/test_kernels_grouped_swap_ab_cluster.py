@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernel_cases as kc  # noqa: E402
 import tiers  # noqa: E402
-from analysis import kernel_cost, tile_search  # noqa: E402
+from k3jax.tools import kernel_cost, tile_search  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec  # noqa: E402
 
 pytestmark = pytest.mark.tiers(slow=["test_launcher_dispatch_runs_a_cluster_tiling"])

@@ -1,4 +1,4 @@
-"""sm_90a compile check of the backward kernels (no GPU: k3jax/aot.py compiles
+"""sm_90a compile check of the backward kernels (no GPU: k3jax/tools/aot.py compiles
 for a compile-only H200 through ptxas): the tgmm kernel
 (pallas_kernels/grouped_matmul/mosaic_sm90_tgmm.py) in its two tile configs
 (bf16: 4 stages; float32 bf16x3: 2 stages) at K3 expert shapes uses no more
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_cache import kernel_reports
 
 from benchmarks import compile_table
-from k3jax.aot import h200_mesh, ptxas_dump
 from k3jax.layout import ParallelConfig
+from k3jax.tools.aot import h200_mesh, ptxas_dump
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up
 
 pytestmark = pytest.mark.compile

@@ -54,7 +54,7 @@ def test_the_configurations_are_k3s_at_ep8():
 
 
 # The fast kernels' K steps (pallas_kernels.mxfp4_fast's sequence on the word
-# layout, one scale a thread's row), counted in SASS by k3jax.kernel_sass:
+# layout, one scale a thread's row), counted in SASS by k3jax.tools.kernel_sass:
 # swap-AB 2.25 / 1.88 (down / gate-up, 16 tokens), 2.27 / 2.10 (256), 2.22
 # (down, 4096) per weight (A from registers); row-major 2.22 (gate/up, 4096:
 # with the SMEM round trip of the bf16 tile); the exact kernel's about 14.
@@ -90,7 +90,7 @@ def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
         assert 0 < r.registers <= 255 and 0 < r.smem_bytes <= 232_448, r
         assert r.grid == (132, 1, 1), r                # persistent: one CTA per SM
         assert r.spill_bytes == 0, r
-        # the consumer K step's SASS is counted (k3jax.kernel_sass): every
+        # the consumer K step's SASS is counted (k3jax.tools.kernel_sass): every
         # weight element of the step is multiplied once per x plane
         assert r.k_step is not None, r
     assert by_kind["exact"].k_step.mma_weights == FAST_WEIGHTS["row_major"][num_w], found
@@ -109,8 +109,8 @@ def _mxfp4_ptx(m: int, k: int, n: int, g: int) -> dict[str, str]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from k3jax.aot import h200_mesh, ptxas_dump
     from k3jax.layout import ParallelConfig
+    from k3jax.tools.aot import h200_mesh, ptxas_dump
     from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4
     from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
     mesh = h200_mesh(ParallelConfig())

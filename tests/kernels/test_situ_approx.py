@@ -132,8 +132,8 @@ def _fused_ptx(dtype) -> str:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from k3jax.aot import h200_mesh, ptxas_dump
     from k3jax.layout import ParallelConfig
+    from k3jax.tools.aot import h200_mesh, ptxas_dump
     mesh = h200_mesh(ParallelConfig())
     m, k, n, g = 64, 256, 128, 2
     specs = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P())) for s, d in

@@ -58,7 +58,7 @@ def test_table_holds_both_kernels_and_the_mlp():
 def test_header_names_the_command_and_the_hardware():
     from pallas_kernels.hardware import H200
     doc = tile_table.__doc__
-    assert "python -m analysis.write_tile_table" in doc
+    assert "python -m scripts.write_tile_table" in doc
     assert f"{H200.num_sms} SMs" in doc
     assert f"dense bf16 {H200.dense_bf16_flops_per_s:.4g} FLOP/s" in doc
     assert f"HBM copy {H200.hbm_copy_bytes_per_s:.4g} B/s" in doc
@@ -68,7 +68,7 @@ def test_header_names_the_command_and_the_hardware():
 def test_the_file_is_what_the_writer_renders():
     """Header (inputs, targets, hardware numbers) and rows as the writer
     writes them today, without re-running the search."""
-    from analysis import write_tile_table as w
+    from scripts import write_tile_table as w
     text = (REPO / "pallas_kernels" / "grouped_matmul" / "tile_table.py").read_text()
     assert text == w.render(tile_table.TILES, w.INPUTS, w.TARGETS)
 
@@ -211,8 +211,8 @@ def test_runtime_packages_never_import_analysis():
 @pytest.mark.slow
 def test_table_is_current():
     """Every row is what the search writes for its key today (re-run it:
-    python -m analysis.write_tile_table)."""
-    from analysis import write_tile_table
+    python -m scripts.write_tile_table)."""
+    from scripts import write_tile_table
     assert [k for k, _ in ROWS] == (write_tile_table.INPUTS.grouped_keys()
                                     + write_tile_table.INPUTS.mlp_keys())
     stale = {key: (entry, fresh) for key, entry in ROWS

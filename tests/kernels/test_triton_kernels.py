@@ -9,9 +9,9 @@
 2. Cubins: every bf16 / MXFP4 configuration at K3 shapes compiles for sm_80 and
    sm_90 (Triton's bundled ptxas) without spills and within the shared
    memory limit; sm_89 and sm_100 compile one config each (the full table:
-   ``python -m pallas_kernels.triton_compile 80 89 90 100``).
+   ``python -m k3jax.tools.triton_compile 80 89 90 100``).
 3. A whole MoE layer with backend="triton" lowers for CUDA through
-   jax-triton on compile-only H200 devices (k3jax.aot): three
+   jax-triton on compile-only H200 devices (k3jax.tools.aot): three
    triton_kernel_call custom calls whose PTX targets the requested sm, and
    the same layer compiles through XLA's GPU pipeline for sm_90.
 4. "auto" on described devices; dispatch of backend="triton".
@@ -35,8 +35,9 @@ import numpy as np
 import pytest
 
 import kernel_cases as kc
+from k3jax.tools import triton_compile
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up, triton_compile
+from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up
 from pallas_kernels.backend import DeviceDescription, choose_backend
 from pallas_kernels.grouped_matmul import triton_sm80
 from pallas_kernels.situ_mlp import triton_sm80 as mlp_triton_sm80
@@ -194,11 +195,11 @@ def test_moe_layer_lowers_and_compiles_for_cuda():
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from k3jax.aot import h200_mesh
     from k3jax.config import TINY
     from k3jax.layout import ParallelConfig, make_layout
     from k3jax.modules import AbstractSource, KimiMoE
     from k3jax.modules.moe import moe_forward
+    from k3jax.tools.aot import h200_mesh
 
     parallel = ParallelConfig(tp=2, sequence_parallel=True, expert_parallel=True)
     mesh = h200_mesh(parallel)  # compile-only H200 devices: nothing runs
