@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_glu, situ_mlp_up
+from pallas_kernels.backend import Backend, Family, resolve
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, reference
 from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
@@ -106,7 +107,7 @@ class GroupedCase:
         return (S((self.rows, self.k), DTYPE), *w * self.num_weights,
                 S((self.local_experts,), jnp.int32))
 
-    def fn(self, backend: str) -> Callable:
+    def fn(self, backend: Backend) -> Callable:
         """The op on ``backend`` as f(x, *weights, group_sizes); MXFP4 weights
         come as (packed, scale) pairs: "triton" dequantizes them in the kernel,
         "xla" decodes them in XLA (bf16) before the reference."""
@@ -126,27 +127,25 @@ def dequant_GKN(packed_GNH, scale_GSN):
     return Mxfp4Weights(packed_GNH, scale_GSN, Mxfp4Dequant.EXACT).dequantize(DTYPE)
 
 
-def mxfp4_fn(op: str, backend: str, dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> Callable:
+def mxfp4_fn(op: str, backend: Backend, dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> Callable:
     """f(x, *(packed, scale) per weight, group_sizes) on "triton", "xla" (XLA
     decode + ragged_dot) or "pallas" / "interpret" (mosaic_sm90_mxfp4.py's
     in-kernel decode, through the grouped ops' MXFP4 dispatch, of weights
     declared ``dequant``: FAST, what real checkpoints and these benchmarks'
     random scale bytes allow, runs the fast kernels; EXACT the exact one)."""
-    if backend in ("pallas", "interpret"):
+    family = resolve(backend).family
+    if family is Family.MOSAIC:
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: grouped_situ_glu(
                 x, Mxfp4Weights(gp, gs, dequant), Mxfp4Weights(up, us, dequant), s,
                 backend=backend, **SITU)
         return lambda x, p, sc, s: grouped_matmul(x, Mxfp4Weights(p, sc, dequant), s,
                                                   backend=backend)
-    if backend == "xla":
+    if family is Family.XLA:
         if op == "gate_up_situ":
             return lambda x, gp, gs, up, us, s: reference.grouped_situ_glu(
                 x, dequant_GKN(gp, gs), dequant_GKN(up, us), s, **SITU)
         return lambda x, p, sc, s: reference.grouped_matmul(x, dequant_GKN(p, sc), s)
-    if backend != "triton":
-        raise ValueError(f"MXFP4 rows run on the triton, xla, pallas or interpret backend, "
-                         f"not {backend!r}")
     from pallas_kernels.grouped_matmul import triton_sm80
     if op == "gate_up_situ":
         return lambda x, gp, gs, up, us, s: triton_sm80.grouped_situ_glu_mxfp4(

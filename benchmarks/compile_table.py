@@ -4,7 +4,7 @@ k3jax/tools/aot.py):
 
   python -m benchmarks.compile_table > compiled.md             # both tables
   python -m benchmarks.compile_table --kernels --json k.json   # one table, + raw rows
-  python -m benchmarks.compile_table --kernels --write-golden  # benchmarks/results/sm90a_kernels.*
+  python -m benchmarks.compile_table --kernels --write-golden  # the golden file (GOLDEN_JSON, GOLDEN_MD)
 
 Kernels: every configuration benchmarks.kernel_sweep times (the list its
 --lower-only path lowers: grouped sweep, jax's Mosaic ragged_dot peers, MLP
@@ -15,7 +15,8 @@ kernel of benchmarks/gpu_kernel_checks.py (its cases differ in group sizes only
 at run time), each compiled for sm_90a through ptxas: registers per thread,
 spill bytes (stores + loads), the launch's dynamic shared memory and grid.
 
-The golden file (GOLDEN_JSON, with GOLDEN_MD beside it) holds those numbers
+The golden file (GOLDEN_JSON, package data the cost model reads, with its
+table GOLDEN_MD in benchmarks/results/) holds those numbers
 per configuration; tests/test_aot_kernels.py fails when a configuration spills
 more or uses more registers than it says. Regenerate it only where a change
 improves a configuration (fewer registers or spill bytes) or adds or removes
@@ -189,7 +190,7 @@ def kernel_rows(results: dict[str, list[PtxasReport]]) -> list[dict]:
 
 
 GOLDEN_JSON = Path(_REPO) / "k3jax" / "data" / "sm90a_kernels.json"
-GOLDEN_MD = GOLDEN_JSON.with_suffix(".md")
+GOLDEN_MD = Path(_REPO) / "benchmarks" / "results" / "sm90a_kernels.md"
 GOLDEN_COMMAND = "python -m benchmarks.compile_table --kernels --write-golden"
 _COUNTER = re.compile(r"_\d+$")   # Mosaic's per-process kernel counter on each kernel's name
 _HELD_KEYS = ("registers", "spill_store_bytes", "spill_load_bytes")

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(_REPO, "tests", "kernels"))
 
 import kernel_cases as kc  # noqa: E402 -- the test suite's inputs and float64 references
 from pallas_kernels import grouped_matmul, grouped_situ_glu, situ_mlp_up  # noqa: E402
+from pallas_kernels.backend import PALLAS, resolve  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -76,7 +77,7 @@ class Case:
         """The kernel on ``backend``: f(x, w, sizes) | f(x, w_gate, w_up, sizes) |
         f(x, gate_DF, up_DF) for "matmul" | "situ_glu" | "mlp"."""
         if self.swap_ab:  # the swap-AB kernel itself, with these tiles
-            interpret = backend == "interpret"
+            interpret = resolve(backend).interpret
             if self.op == "matmul":
                 return lambda x, w, s: mosaic_sm90_swap_ab.grouped_matmul(
                     x, w, s, config=self.swap_ab, interpret=interpret)
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: the folder does not exist")
-    if args.backend == "pallas" and jax.default_backend() != "gpu":
+    if resolve(args.backend) == PALLAS and jax.default_backend() != "gpu":
         p.error("--backend pallas needs a GPU (use --backend interpret on the CPU)")
     device = jax.devices()[0]
     print(f"# {device.device_kind} jax {jax.__version__} backend {args.backend}: "

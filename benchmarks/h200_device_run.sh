@@ -12,7 +12,7 @@
 #                          error) and its candidate tilings timed, SELFCHECK_BUDGET
 #                          (default 120 s) with the exports;
 #                          the cache under $OUT/k3jax-cache
-#   tuned_tiles_T<T>.py    the tuned picks in tile_table.py's format (k3jax tune
+#   tuned_tiles_T<T>.json  the tuned picks in tile_table.json's format (k3jax tune
 #                          --export, read back from that cache: no new timing)
 #   headline.json/.md/.log the headline subset first (EP 16 at 16 / 256 / 4096 /
 #                          16384 tokens, MLP tp 1 and 8 at T 8 and 2048), 150 s;
@@ -78,7 +78,7 @@ for tokens in 16 256 4096; do
   left=$((SELFCHECK_BUDGET - (SECONDS - selfcheck_start)))
   [ "$left" -le 5 ] && { echo "# selfcheck: no time left to export T $tokens"; break; }
   PYTHONPATH=. timeout "$left" "$python" -m k3jax tune --preset k3 --layer 1 --tokens "$tokens" \
-    --json --export "$out/tuned_tiles_T$tokens.py" >/dev/null 2>>"$out/selfcheck_T$tokens.log"
+    --json --export "$out/tuned_tiles_T$tokens.json" >/dev/null 2>>"$out/selfcheck_T$tokens.log"
 done
 # The benchmarks below check every output themselves: no check on first use there.
 export K3JAX_SELFCHECK=0

@@ -84,7 +84,7 @@ from benchmarks.cases import (
 from benchmarks.measure import KernelMismatch, Sweep, measure_ceilings, spot_check_grouped
 from benchmarks.model_rows import model_grouped, model_mlp, x_lean_config
 from k3jax.tools import peers as peers_lib
-from pallas_kernels import resolve_backend
+from pallas_kernels.backend import INTERPRET, PALLAS, TRITON, XLA, resolve
 
 
 def precompile_all(plan: Plan, backend: str) -> dict[str, tuple]:
@@ -106,7 +106,7 @@ def precompile_all(plan: Plan, backend: str) -> dict[str, tuple]:
 def run_grouped(plan: Plan, sweep: Sweep) -> None:
     """The grouped MoE sweep: token counts x EP x ops, one row each."""
     weights_by_ep: dict[int, dict[str, jax.Array]] = {}  # all EPs: 13 GB at K3 shapes (+ 3.5 MXFP4)
-    with_triton = sweep.kernel_backend in ("pallas", "triton") and triton_available()
+    with_triton = sweep.kernel_backend in (PALLAS, TRITON) and triton_available()
     for case in grouped_cases(plan, mxfp4=with_triton):
         if sweep.out_of_time():
             sweep.results.add("grouped", {**case.fields(), "skipped": "time budget"})
@@ -126,20 +126,20 @@ def run_grouped(plan: Plan, sweep: Sweep) -> None:
         # the model prices bf16 weights: none for MXFP4 rows
         model = None if case.mxfp4 else model_grouped(case, sizes_np)
         peers = {}
-        if sweep.kernel_backend == "pallas" and not case.mxfp4:
+        if sweep.kernel_backend == PALLAS and not case.mxfp4:
             # tokamax: the library a JAX user would pick
             peers["tokamax"] = (peers_lib.tokamax_ragged_dot if case.op == "down"
                                 else peers_lib.tokamax_situ_glu(**SITU))
             if case.op == "down":
                 peers["jax_mosaic"] = jax_mosaic_ragged_dot(case)
             if with_triton:
-                peers["triton"] = case.fn("triton")
+                peers["triton"] = case.fn(TRITON)
             if (lean := x_lean_config(case, model["x_bytes_over_weight_bytes"])) is not None:
                 peers["x_lean"] = decode_fn(case, lean)
         # MXFP4 rows: the Triton kernel is the kernel; 0.53125 B per weight element
-        kernel_fn = case.fn("triton" if case.mxfp4 else sweep.kernel_backend)
+        kernel_fn = case.fn(TRITON if case.mxfp4 else sweep.kernel_backend)
         row = sweep.measure(
-            case.name, kernel_fn, case.fn("xla"), (x, *ws, sizes),
+            case.name, kernel_fn, case.fn(XLA), (x, *ws, sizes),
             flops=2.0 * case.rows * case.k * case.n * case.num_weights,
             weight_bytes=float(active * case.k * case.n * case.num_weights
                                * (17 / 32 if case.mxfp4 else 2)),
@@ -189,9 +189,9 @@ def run_mlp(plan: Plan, sweep: Sweep) -> None:
         gate = jax.random.normal(keys[0], (case.d, case.f), DTYPE) * case.d ** -0.5
         up = jax.random.normal(keys[1], (case.d, case.f), DTYPE) * case.d ** -0.5
         x = jax.random.normal(keys[2], (case.tokens, case.d), DTYPE)
-        peers = ({"triton": case.fn("triton")}
-                 if sweep.kernel_backend == "pallas" and triton_available() else {})
-        row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn("xla"),
+        peers = ({"triton": case.fn(TRITON)}
+                 if sweep.kernel_backend == PALLAS and triton_available() else {})
+        row = sweep.measure(case.name, case.fn(sweep.kernel_backend), case.fn(XLA),
                             (x, gate, up), flops=2.0 * case.tokens * case.d * case.f * 2,
                             weight_bytes=2.0 * case.d * case.f * 2, valid_rows=case.tokens,
                             peers=peers, **sweep.precompiled_for(case.name))
@@ -243,8 +243,8 @@ def main(argv=None) -> int:
     plan = args.plan
     iters = args.iters or (1 if args.smoke else 10)
     # a GPU run: Mosaic on Hopper, Triton on other CUDA GPUs (sm_80+)
-    kernel_backend = "interpret" if args.smoke else resolve_backend("auto")
-    if not args.smoke and kernel_backend == "xla":
+    kernel_backend = INTERPRET if args.smoke else resolve("auto")
+    if not args.smoke and kernel_backend == XLA:
         print("error: the full benchmark needs a GPU: Hopper, or CUDA sm_80+ with the triton "
               "extra (on the CPU use --smoke, or python -m benchmarks.lower_check)", file=sys.stderr)
         return 2
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": device.device_kind, "platform": device.platform,
             "jax_version": jax.__version__, "jaxlib_version": _version("jaxlib"),
-            "flax_version": _version("flax"), "kernel_backend": kernel_backend,
+            "flax_version": _version("flax"), "kernel_backend": kernel_backend.name,
             "command": " ".join(["python", "-m", "benchmarks.kernel_sweep",
                                  *(sys.argv[1:] if argv is None else argv)]),
             "smoke": args.smoke, "iters": iters, "check_tol": measure.CHECK_TOL,
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
                       rates=measure.rates, time_all=time_all,
                       model=(lambda c: model_grouped(dataclasses.replace(c, mxfp4=True),
                                                      grouped_sizes(c)))
-                      if kernel_backend == "pallas" else None)
+                      if kernel_backend == PALLAS else None)
 
         run_mlp(plan, sweep)
         if first:

@@ -23,6 +23,7 @@ import numpy as np
 from benchmarks.bench_report import Results
 from benchmarks.bench_timing import TIMERS, time_all
 from benchmarks.cases import DTYPE, GroupedCase, Plan
+from pallas_kernels.backend import KernelBackend
 
 CHECK_TOL = 1e-2  # bf16 in / bf16 out vs the XLA reference, max-abs relative (bf16 u = 3.9e-3)
 
@@ -206,7 +207,7 @@ def guarded(keep_going: bool, fn: Callable[..., dict], *args, **kwargs) -> dict:
 class Sweep:
     """What every measurement of one run shares."""
 
-    kernel_backend: str  # "pallas" on the GPU, "interpret" for --smoke
+    kernel_backend: KernelBackend  # PALLAS on the GPU, INTERPRET for --smoke
     ceilings: dict
     iters: int
     timing: str  # "cupti" | "wallclock"

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Mapping
 
 
@@ -135,15 +136,28 @@ _FIELDS = {f.name: f for f in dataclasses.fields(K3Config)}
 _INT_FIELDS = {name for name, f in _FIELDS.items() if f.type == "int"}
 _ABSENT_MEANS_UNSET = ("activation_situ_linear_beta",)
 
+TENSOR_KEYS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_experts",
+               "num_shared_experts", "routed_expert_hidden_size", "latent_moe_use_norm",
+               "num_hidden_layers", "first_k_dense_replace", "moe_layer_freq")
+"""Keys a checkpoint's tensors confirm: they set tensor shapes, or which
+tensors a layer holds. A checkpoint whose config.json lacks one of them and
+whose tensors do not fit the default is an error naming the key."""
 
-def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
-    """Build a K3Config from an HF config: a dict, a ``config.json`` path, or a
-    checkpoint directory holding one. Accepts the flat kimi_linear keys and the
-    form nested under ``text_config``. Unknown keys are ignored; absent keys
-    take the K3 defaults (``min_moe_intermediate_per_partition`` is absent in
-    K3's own file), except ``activation_situ_linear_beta``: absent means unset
-    (None, ``up' = up``, docs/spec.md §2), as it does for the HF model; K3's file sets
-    it to 25.0, and the ``K3`` preset keeps 25.0."""
+MATH_KEYS = ("num_experts_per_token", "num_expert_group", "topk_group",
+             "moe_router_activation_func", "moe_renormalize", "routed_scaling_factor",
+             "rms_norm_eps", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
+"""Keys that change the layer's math and that no tensor confirms: a config
+that lacks one gets K3's default (None for activation_situ_linear_beta:
+unset), which ``describe_defaults`` names for a warning."""
+
+
+def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> tuple[K3Config, dict[str, Any]]:
+    """(config, defaults): ``from_hf_config``'s config, and {key: value used}
+    for every key of TENSOR_KEYS or MATH_KEYS the source lacks.
+
+    A default that cannot hold is a ValueError naming the missing key: K3's
+    top-k of 16 for a config with 16 or fewer experts (every token would take
+    every expert), or any default the config's other values contradict."""
     if isinstance(source, Mapping):
         raw = dict(source)
         origin = "config dict"
@@ -157,8 +171,14 @@ def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
                 raw = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ValueError(f"config file {path} is a directory") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"config file {path} is not a UTF-8 text file") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise OSError(f"cannot read config file {path}: {e.strerror or e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{origin}: expected a JSON object")
     if isinstance(raw.get("text_config"), Mapping):
@@ -170,12 +190,42 @@ def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
         if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
             value = int(value)
         values[name] = value
-    if "hidden_size" not in values:
+    if "hidden_size" not in raw:
         raise ValueError(f"{origin}: no 'hidden_size' key (neither flat nor under 'text_config')")
+    missing = [k for k in (*TENSOR_KEYS, *MATH_KEYS) if k not in raw]
+    defaults = {k: values[k] if k in values else _FIELDS[k].default for k in missing}
     try:
-        return K3Config(**values)
+        cfg = K3Config(**values)
     except ValueError as e:
-        raise ValueError(f"{origin}: {e}") from None
+        named = [k for k in missing if re.search(rf"\b{k}\b", str(e))]
+        raise ValueError(f"{origin}: {e}" + (f" ({describe_defaults(named, defaults)})"
+                                             if named else "")) from None
+    if "num_experts_per_token" in missing and cfg.num_experts_per_token >= cfg.num_experts:
+        raise ValueError(f"{origin}: no 'num_experts_per_token' key, and K3's default "
+                         f"{cfg.num_experts_per_token} would route every token to all "
+                         f"{cfg.num_experts} experts: add the key")
+    return cfg, defaults
+
+
+def describe_defaults(keys, defaults: Mapping[str, Any]) -> str:
+    """The words naming absent ``keys`` and the defaults used for them:
+    ``no 'a', 'b' keys: K3's defaults a=1, b=2 used``."""
+    keys = list(keys)
+    plural = "s" if len(keys) > 1 else ""
+    return (f"no {', '.join(repr(k) for k in keys)} key{plural}: K3's default{plural} "
+            + ", ".join(f"{k}={defaults[k]!r}" for k in keys) + " used")
+
+
+def from_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> K3Config:
+    """Build a K3Config from an HF config: a dict, a ``config.json`` path, or a
+    checkpoint directory holding one. Accepts the flat kimi_linear keys and the
+    form nested under ``text_config``. Unknown keys are ignored; absent keys
+    take the K3 defaults (``min_moe_intermediate_per_partition`` is absent in
+    K3's own file), except ``activation_situ_linear_beta``: absent means unset
+    (None, ``up' = up``, docs/spec.md §2), as it does for the HF model; K3's file sets
+    it to 25.0, and the ``K3`` preset keeps 25.0. ``read_hf_config`` also
+    returns which keys were absent."""
+    return read_hf_config(source)[0]
 
 
 K3 = K3Config()

@@ -17,10 +17,11 @@ zero; K3 adjusts it by load balancing instead (notebook 04). Gradients reach
 the router weights through the selected sigmoid scores, not through the
 selection.
 
-Frozen: MXFP4 routed experts (``ExpertStorage.MXFP4``): their uint8 codes and
-scales have no gradient; the gradient flows through their dequantized values
-to the input and the other weights only. ``LayerGrads.frozen`` names every
-parameter left out, and :func:`trainable` is the nnx filter that decides.
+Frozen: routed experts in a packed format (k3jax.formats; e.g. MXFP4's uint8
+codes and scales): their integer arrays have no gradient; the gradient flows
+through their dequantized values to the input and the other weights only.
+``LayerGrads.frozen`` names every parameter left out, and :func:`trainable`
+is the nnx filter that decides.
 
 ``checkpoint_tensors`` turns gradients (or weights) into the checkpoint's
 tensors (docs/spec.md §3 names, [out, in], one per expert, MoE padding removed).
@@ -61,7 +62,7 @@ class LayerGrads:
     """y_TD [T, D]: the forward's output (module dtype); dx_TD [T, D] in x's
     dtype; weights: {param path: gradient} with each parameter's shape, dtype
     and sharding; frozen: the parameters without a gradient (the
-    selection-only bias, packed MXFP4 codes and scales)."""
+    selection-only bias, a packed format's integer arrays)."""
 
     y_TD: jax.Array
     dx_TD: jax.Array

@@ -41,7 +41,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from k3jax import K3, TINY, MlpMode, ParallelConfig, SharedOverlap, make_layout
-from k3jax.layout import ExpertStorage
+from k3jax.formats import ExpertStorage
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE, moe_decls
 from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
 from k3jax.tools.compile import CompileReport, compile_layer
@@ -198,7 +198,7 @@ def test_a_tiny_model_fits():
 
 # -- packed MXFP4 experts: no copy of the codes, temporaries within the targets --------
 # Pallas at 8192: the gate/up kernel writes h in the K order the down
-# kernel takes (Layout.mxfp4_k_order), so no transposed copy of h sits
+# kernel takes (Mxfp4Format.k_order), so no transposed copy of h sits
 # beside it (with one, 2.62 GiB against bf16's 1.95, 1.34x).
 _PACKED_KEEP = ("parameter", "bitcast", "get-tuple-element", "tuple")
 

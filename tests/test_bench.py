@@ -102,12 +102,17 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     (["--devices", "1"], "--devices must be >= 2"),
     (["--json", "/nonexistent-dir/x.json"], "directory does not exist"),
     (["--plot", "out.txt"], "expected a .png"),
-    (["--config", "/nonexistent/config.json"], "not found"),
 ])
 def test_usage_errors_exit_2(capsys, argv, message):
     code = cli_main(["bench", *argv])
     _, err = capsys.readouterr()
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_config_file_is_bad_data_exit_1(capsys):
+    code = cli_main(["bench", "--config", "/nonexistent/config.json"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "not found" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("tokens", ["8,x", "0,8", "32,8", ""])

@@ -32,7 +32,8 @@ from k3jax.checkpoint.host import Workers, first_nonfinite
 from k3jax.checkpoint.names import layer_prefix, layer_tensors
 from k3jax.cli import main
 from k3jax.config import TINY
-from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
+from k3jax.formats import ExpertStorage
+from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
 from numerics import jitted, rel_err
 from pallas_kernels.mxfp4_fast import FAST_SCALES
@@ -68,11 +69,11 @@ def stored(ckpt) -> dict[str, np.ndarray]:
 def expected_param(decl, ref, prefix, tensors, num_experts):
     """The full parameter a loader must build: stored [out, in] tensors
     transposed (those whose TensorRef says so), packed MXFP4 codes in the
-    word layout (interleave_words), experts stacked, zero rows where
+    word layout (interleave_words, TensorRef.interleave), experts stacked, zero rows where
     ``decl.padding`` says."""
     def one(e):
         a = tensors[ref.name(prefix, e)]
-        if ref.packed and not ref.transpose:
+        if ref.interleave:
             return interleave_words(a)
         return a.T if ref.transpose else a
     logical = np.stack([one(e) for e in range(num_experts)]) if ref.per_expert else one(None)
@@ -477,20 +478,21 @@ def test_mxfp4_dequant_is_read_off_the_stored_scale_bytes(eight_devices, mxfp4_c
     from pallas_kernels.mxfp4 import Mxfp4Dequant
     ep = ParallelConfig(dp=8, expert_parallel=True)
     fast = load_layer(mxfp4_ckpt, 1, ep, backend="xla")
-    assert fast.layout.mxfp4_dequant is Mxfp4Dequant.FAST
+    assert fast.layout.experts.dequant is Mxfp4Dequant.FAST
     assert "MXFP4 experts' dequant: fast" in fast.layout.describe()
     for byte in (1, 129):
         ckpt = tmp_path / f"byte{byte}"
         _mxfp4_ckpt_with_byte(ckpt, CFG.num_experts - 1, byte)
         exact = load_layer(ckpt, 1, ep, backend="xla")
-        assert exact.layout.mxfp4_dequant is Mxfp4Dequant.EXACT, byte
+        assert exact.layout.experts.dequant is Mxfp4Dequant.EXACT, byte
     padded_ep = ParallelConfig(dp=8, expert_parallel=True, pad_under_ep=True)
     padded = load_layer(mxfp4_ckpt, 1, padded_ep, backend="xla")
     assert padded.layout.padded_moe_intermediate > CFG.moe_intermediate_size
     assert np.asarray(padded.w2_scale_EFL[...]).min() == 0          # the padding's bytes
-    assert padded.layout.mxfp4_dequant is Mxfp4Dequant.FAST
+    assert padded.layout.experts.dequant is Mxfp4Dequant.FAST
     dense = load_layer(mxfp4_ckpt, 1, backend="xla", mxfp4="dequantize")
-    assert dense.layout.mxfp4_dequant is None
+    assert dense.layout.experts.name == "mxfp4-dequant" and not hasattr(dense.layout.experts,
+                                                                         "dequant")
 
 
 def test_agreed_mxfp4_dequant_is_exact_where_any_process_saw_a_byte_outside():

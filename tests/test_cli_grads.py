@@ -94,17 +94,18 @@ def one_line_error(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("case, words", [
-    ("no cotangent", "--grads needs --cotangent DY.npy"),
-    ("no grads", "--cotangent needs --grads OUT.safetensors"),
-    ("wrong shape", "must have the input's shape [11, 96], got [10, 96]"),
-    ("float64", "must be float32, got float64"),
-    ("nan", "contains NaN or inf"),
-    ("unreadable", "cannot read it"),
-    ("unwritable", "--grads {tmp}/missing/g.safetensors: directory does not exist"),
-    ("same file", "--grads and --output name the same file"),
+@pytest.mark.parametrize("case, words, code", [
+    ("no cotangent", "--grads needs --cotangent DY.npy", 2),
+    ("no grads", "--cotangent needs --grads OUT.safetensors", 2),
+    ("wrong shape", "must have the input's shape [11, 96], got [10, 96]", 1),
+    ("float64", "must be float32, got float64", 1),
+    ("nan", "contains NaN or inf", 1),
+    ("unreadable", "cannot read it", 1),
+    ("unwritable", "--grads {tmp}/missing/g.safetensors: directory does not exist", 2),
+    ("same file", "--grads and --output name the same file", 2),
 ])
-def test_gradient_usage_errors_exit_2_naming_the_flag(files, tmp_path, case, words, capsys):
+def test_gradient_flag_and_file_errors_name_the_flag(files, tmp_path, case, words, code, capsys):
+    """Flags exit 2 (usage), a bad --cotangent file 1 (bad data)."""
     dy = np.load(files / "dy.npy")
     bad = tmp_path / "bad.npy"
     grads, out = str(tmp_path / "g.safetensors"), str(tmp_path / "y.npy")
@@ -127,7 +128,7 @@ def test_gradient_usage_errors_exit_2_naming_the_flag(files, tmp_path, case, wor
     else:
         np.save(bad, dy)
     existing = set(os.listdir(tmp_path))
-    assert main(["run", "--backend", "xla", *flags]) == 2
+    assert main(["run", "--backend", "xla", *flags]) == code
     err = one_line_error(capsys.readouterr().err)
     assert words.format(tmp=tmp_path) in err, err
     assert "--grads" in err or "--cotangent" in err

@@ -22,6 +22,7 @@ from layout_cases import (
     MXFP4_PREFILL_OVER_BF16,
     MXFP4_PREFILL_TOKENS,
 )
+from pallas_kernels.backend import TRITON
 from pallas_kernels.selfcheck import gate
 from pallas_kernels.triton_target import triton_target
 
@@ -69,7 +70,7 @@ def _temporaries(tokens: int, expert_dtype: str) -> int:
                      compiler_options=OVERLAP_COMPILER_OPTIONS)
         with gate.collecting(), jax.sharding.use_abstract_mesh(built.mesh.abstract_mesh):
             compiled = fn.trace(state, built.x_TD).lower().compile()
-    assert built.layout.backend == "triton"
+    assert built.layout.backend == TRITON
     return compiled_bytes(compiled, shard_bytes(built.x_TD))["temporaries"]
 
 

@@ -1,5 +1,5 @@
 """k3jax.tools.ep_destinations / dispatch_latency (the dispatch latency model
-of EP across nodes), its committed auto table (k3jax/layout/ep_dispatch_table.py),
+of EP across nodes), its committed auto table (k3jax/data/ep_dispatch_table.json),
 the pure lookup k3jax.layout.ep_dispatch_choice and ``k3jax latency --nodes``: the
 destination formulas against brute force and Monte Carlo, each form's bytes
 against hand counts, the latency rule against NCCL's tuning model, and the
@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import pathlib
 
 import pytest
 
 from k3jax.cli import main
 from k3jax.config import K3
-from k3jax.layout import ep_dispatch_choice, ep_dispatch_table
+from k3jax.layout import ep_dispatch_choice
 from k3jax.tools import dispatch_latency as dl
 from k3jax.tools import ep_destinations as ed
 from k3jax.tools.layer_schedule import NVLINK
@@ -189,7 +190,7 @@ def test_layout_errors_name_the_culprit():
 
 # -- the committed table and the lookup ----------------------------------------------
 def test_pick_reads_the_committed_table():
-    table = ep_dispatch_table.TABLE
+    table = ep_dispatch_choice.table()
     assert set(table) == set(ep_dispatch_choice.tabulated()) == set(LAYOUTS)
     for (ep, nodes), entries in table.items():
         firsts = [first for first, _ in entries]
@@ -201,6 +202,19 @@ def test_pick_reads_the_committed_table():
             for tokens in {first, (first + last) // 2, last}:
                 assert ep_dispatch_choice.pick(ep, nodes, tokens) == form
     assert ep_dispatch_choice.FORMS == dl.FORMS
+
+
+def test_the_table_file_names_its_writer_and_the_models_inputs():
+    """The reader reads the package's data file, the one the writer writes,
+    which names its command, the model's inputs and the hardware figures."""
+    from scripts import write_dispatch_table as w
+
+    assert pathlib.Path(str(ep_dispatch_choice.table_file())) == pathlib.Path(w.TABLE_PATH)
+    doc = json.loads(pathlib.Path(w.TABLE_PATH).read_text())
+    assert doc["generated_by"] == w.COMMAND
+    header = "\n".join(doc["description"])
+    assert "Model: K3" in header and "Hardware (NVIDIA H200 SXM)" in header
+    assert doc["token_grid"] == list(w.TOKEN_GRID)
 
 
 def test_untabulated_layouts_fall_back():

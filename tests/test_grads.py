@@ -41,9 +41,9 @@ from test_collectives import MOE_EXPECTED
 
 from k3jax import TINY, MlpMode, ParallelConfig, RandomSource, build_layer, make_layout, make_mesh
 from k3jax.checkpoint.names import layer_prefix
+from k3jax.formats import ExpertStorage
 from k3jax.grads import checkpoint_tensors, grad_program, layer_grads, param_path, split_trainable
-from k3jax.layout import ExpertStorage
-from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, KimiMoE, expert_weights
+from k3jax.modules.moe import KimiMoE, expert_weights
 from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
 from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
@@ -356,16 +356,17 @@ def mxfp4_case(name: str):
 def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices):
     name = "sp_ep_tp8_shard"
     mod, x, dy, g = mxfp4_case(name)
-    assert set(g.frozen) == {"router_bias_E", *MXFP4_EXPERT_PARAMS}
-    assert not set(g.weights) & set(MXFP4_EXPERT_PARAMS)
+    packed_params = mod.layout.experts.param_names()
+    assert len(packed_params) == 6
+    assert set(g.frozen) == {"router_bias_E", *packed_params}
+    assert not set(g.weights) & set(packed_params)
     assert set(g.weights) == {"router_DE", "lat_down_DL", "lat_norm_L", "lat_up_LD",
                               "shared.gate_DF", "shared.up_DF", "shared.down_FD"}
     # torch f64 with the decoded experts (exact in float32), every weight trainable there
     tensors = checkpoint_tensors(mod, 1, {k: f64(v) for k, v in flat_grads(
-        nnx.state(mod, nnx.Param)).items() if k not in MXFP4_EXPERT_PARAMS})
+        nnx.state(mod, nnx.Param)).items() if k not in packed_params})
     prefix = layer_prefix(1, True)
-    for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), ExpertStorage.MXFP4,
-                                                               mod.layout.mxfp4_dequant)):
+    for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), mod.layout)):
         a = packed.dequantize(jnp.float32)
         for e in range(TINY.num_experts):
             tensors[f"{prefix}experts.{e}.{w}.weight"] = f64(a[e]).T

@@ -1,5 +1,5 @@
 """k3jax.tools.layer_latency / layer_schedule (the whole-layer latency model),
-its committed auto table (k3jax/layout/shared_overlap_table.py), the pure lookup
+its committed auto table (k3jax/data/shared_overlap_table.json), the pure lookup
 k3jax.layout.shared_overlap_choice and ``k3jax latency``: the model's arithmetic
 against hand counts, its consistency with vLLM's published points within
 the error it states, and the table's currency. Model-consistency checks,
@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 
 import pytest
 
 from k3jax.cli import main
 from k3jax.config import K3
-from k3jax.layout import shared_overlap_choice, shared_overlap_table
+from k3jax.layout import shared_overlap_choice
 from k3jax.tools import kernel_cost
 from k3jax.tools import layer_latency as ll
 from k3jax.tools import layer_schedule as ls
@@ -129,7 +130,7 @@ def test_auto_prefers_the_float32_scatter_within_the_tie_band():
 
 
 def test_pick_reads_the_committed_table():
-    table = shared_overlap_table.TABLE
+    table = shared_overlap_choice.table()
     for (layer, tp, dp), entries in table.items():
         firsts = [e[0] for e in entries]
         assert firsts[0] == 1 and firsts == sorted(set(firsts))
@@ -147,6 +148,19 @@ def test_pick_reads_the_committed_table():
             shared_overlap_choice.pick(**args)
     with pytest.raises(ValueError, match="layer"):
         shared_overlap_choice.pick(4, 1, 8, layer="attention")
+
+
+def test_the_table_file_names_its_writer_and_the_models_inputs():
+    """The reader reads the package's data file, the one the writer writes,
+    which names its command, the model's inputs and the hardware figures."""
+    from scripts import write_overlap_table as w
+
+    assert pathlib.Path(str(shared_overlap_choice.table_file())) == pathlib.Path(w.TABLE_PATH)
+    doc = json.loads(pathlib.Path(w.TABLE_PATH).read_text())
+    assert doc["generated_by"] == w.COMMAND
+    header = "\n".join(doc["description"])
+    assert "Model: K3" in header and "Hardware (NVIDIA H200 SXM)" in header
+    assert doc["token_grid"] == list(w.TOKEN_GRID)
 
 
 def test_committed_table_is_the_models_and_meets_the_target():

@@ -31,19 +31,20 @@ from k3jax import (
     mlp_layout,
     padded_moe_intermediate,
 )
+from k3jax.formats import ExpertStorage, Mxfp4Format
+from k3jax.formats.mxfp4 import PARAM_NAMES as MXFP4_PARAMS
 from k3jax.layout import (
     SHARD_SHARED_EXPERT_ENV,
     Dispatch,
-    ExpertStorage,
+    ExpertShardError,
     LayoutError,
     MlpLayout,
-    Mxfp4ShardError,
     SharedOverlap,
     abstract_mesh,
 )
 from k3jax.modules import AbstractSource, KimiMLP, build_layer
 from k3jax.modules.params import Padding
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import INTERPRET, XLA, BackendName, resolve_backend
 
 H, SHARED_I, DENSE_I = 7168, 6144, 33792       # K3 hidden, shared expert (2 x 3072), dense MLP
 ENV = SHARD_SHARED_EXPERT_ENV
@@ -402,21 +403,29 @@ def test_layout_is_decided_once_and_frozen():
      "padded per-shard intermediate (48)"),
 ], ids=["tp8", "tp4", "latent", "padded"])
 def test_make_layout_raises_the_mxfp4_shard_error(cfg, par, words):
-    """Packed MXFP4 shardability is a layout fact: make_layout refuses it,
-    naming the dimension and the way out; dense storage (or MXFP4 dequantized
-    on load) of the same layout is fine."""
-    with pytest.raises(Mxfp4ShardError, match=re.escape(words) + ".*store the experts dequantized"):
+    """Packed MXFP4 shardability is a layout fact: make_layout refuses it
+    (the format's split_refusal), naming the dimension and the way out;
+    dense storage (or MXFP4 dequantized on load) of the same layout is fine.
+    The earlier name of the error still imports from k3jax.layout."""
+    with pytest.raises(ExpertShardError, match=re.escape(words) + ".*store the experts dequantized"):
         make_layout(cfg, par, experts=ExpertStorage.MXFP4)
     for storage in (ExpertStorage.DENSE, ExpertStorage.MXFP4_DEQUANT):
-        assert make_layout(cfg, par, experts=storage).experts is storage
-    assert issubclass(Mxfp4ShardError, LayoutError)
+        assert make_layout(cfg, par, experts=storage).experts.name == storage.value
+    assert issubclass(ExpertShardError, LayoutError)
+    from k3jax.layout import Mxfp4ShardError
+    assert Mxfp4ShardError is ExpertShardError
 
 
 def test_packed_mxfp4_that_splits_is_accepted():
+    """The format is named by its ExpertStorage member, its name or itself;
+    an unknown name is refused, naming the registered ones."""
     layout = make_layout(TINY, ParallelConfig(tp=2), experts=ExpertStorage.MXFP4)
     assert layout.experts.packed and not ExpertStorage.MXFP4_DEQUANT.packed
-    with pytest.raises(ValueError, match="experts must be an ExpertStorage, got 'mxfp4'"):
-        make_layout(TINY, ParallelConfig(tp=2), experts="mxfp4")
+    assert isinstance(layout.experts, Mxfp4Format)
+    assert make_layout(TINY, ParallelConfig(tp=2), experts="mxfp4") == layout
+    assert make_layout(TINY, ParallelConfig(tp=2), experts=Mxfp4Format()) == layout
+    with pytest.raises(ValueError, match="unknown expert format 'mxfp5'; registered: dense, mxfp4"):
+        make_layout(TINY, ParallelConfig(tp=2), experts="mxfp5")
 
 
 @pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(tp=4),
@@ -426,15 +435,16 @@ def test_packed_mxfp4_codes_keep_the_stored_orientation(par):
     """Packed codes are [E, out, in/2] as the checkpoint stores them, split
     like their weight (spec's last two entries swapped, F's padding moving
     with F); the scales are [E, in/32, out], split and padded as the weight."""
-    from k3jax.modules.moe import MXFP4_EXPERT_PARAMS, moe_decls
+    from k3jax.modules.moe import moe_decls
 
     cfg = TINY.replace(moe_intermediate_size=128, min_moe_intermediate_per_partition=64)
     layout = make_layout(cfg, par, experts=ExpertStorage.MXFP4)
     E, L, I, F = 16, cfg.routed_expert_hidden_size, 128, layout.padded_moe_intermediate
     shards = layout.expert_shards
     assert (F, shards) == ((256, 4) if par.tp == 4 and not par.expert_parallel else (128, 1))
-    decls = {d.name: d for d in moe_decls(layout) if d.name in MXFP4_EXPERT_PARAMS}
-    assert sorted(decls) == sorted(MXFP4_EXPERT_PARAMS)
+    names = [name for pair in MXFP4_PARAMS.values() for name in pair]
+    decls = {d.name: d for d in moe_decls(layout) if d.name in names}
+    assert sorted(decls) == sorted(names) == sorted(layout.experts.param_names())
     specs = layout.moe_param_specs()
     swap = lambda s: s if s == P() else P(*list(s)[:-2], s[2], s[1])  # noqa: E731
     pad = lambda axis, real: Padding(axis, shards, real) if F != I else None  # noqa: E731
@@ -458,11 +468,13 @@ def test_backend_is_resolved_once_from_the_mesh_devices(eight_devices, monkeypat
     hopper = [types.SimpleNamespace(platform="gpu", compute_capability="9.0")] * 8
     monkeypatch.setattr(jax, "devices", lambda *a: hopper)
     layout = make_layout(TINY, par, mesh)
-    assert layout.backend == "xla"
+    assert layout.backend == XLA
     assert resolve_backend("auto", hopper) == "pallas"
     assert resolve_backend("auto", mesh.devices.flat) == "xla"
-    assert make_layout(TINY, par, mesh, backend="interpret").backend == "interpret"
-    assert make_layout(TINY, par).backend == "xla"            # no devices: planning only
+    assert make_layout(TINY, par, mesh, backend="interpret").backend == INTERPRET
+    assert make_layout(TINY, par, mesh, backend=BackendName.INTERPRET).backend == INTERPRET
+    assert make_layout(TINY, par, mesh, backend=INTERPRET).backend == INTERPRET
+    assert make_layout(TINY, par).backend == XLA            # no devices: planning only
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
         make_layout(TINY, par, mesh, backend="cuda")
 
@@ -491,10 +503,10 @@ def test_the_modules_read_the_layouts_decisions(eight_devices, monkeypatch):
     layout = make_layout(TINY, par, mesh, backend="interpret", experts=ExpertStorage.MXFP4,
                          dtype=jnp.bfloat16)
     module = build_layer(layout, 1, mesh, source=AbstractSource())
-    assert (module.backend, module.experts, module.dtype) == ("interpret", ExpertStorage.MXFP4,
-                                                              jnp.bfloat16)
+    assert (module.backend, module.experts.name, module.dtype) == (INTERPRET, "mxfp4",
+                                                                   jnp.bfloat16)
     assert module.w1_packed_EFL.dtype == jnp.uint8 and module.lat_down_DL.dtype == jnp.bfloat16
-    assert module.shared.backend == "interpret" and module.shared.dtype == jnp.bfloat16
+    assert module.shared.backend == INTERPRET and module.shared.dtype == jnp.bfloat16
     seen = []
 
     def spy(*args, backend, **kw):
@@ -509,7 +521,7 @@ def test_the_modules_read_the_layouts_decisions(eight_devices, monkeypatch):
                        jax.ShapeDtypeStruct((4, TINY.hidden_size), jnp.bfloat16))
     finally:
         moe_module.moe_forward.cache_clear()
-    assert seen == ["interpret"]
+    assert seen == [INTERPRET]
 
 
 def test_an_mlp_takes_its_placement_from_its_layout():

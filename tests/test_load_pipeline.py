@@ -39,7 +39,8 @@ from k3jax.checkpoint.pipeline import Prefetcher, Staging, interleave_codes, swa
 from k3jax.checkpoint.slabs import INTERLEAVE, TRANSPOSE, interleave_into, slabs, transpose_into
 from k3jax.checkpoint.source import CheckpointSource, device_op
 from k3jax.config import K3, TINY
-from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
+from k3jax.formats import ExpertStorage
+from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
 from pallas_kernels.mxfp4_words import interleave_word_bits, interleave_words, words_of
 

@@ -335,7 +335,8 @@ def test_triton_dispatch_reads_k_ordered_weights_as_stored(monkeypatch):
     out of k_order for k_order_axis 1 and y into it for 2. A stand-in for
     the kernels (the blocked XLA path on the stored weights) checks the
     permutations without Triton."""
-    from pallas_kernels.grouped_matmul import api, blocked
+    from pallas_kernels.backend import resolve
+    from pallas_kernels.grouped_matmul import blocked, dispatch
 
     class StandIn:
         @staticmethod
@@ -347,7 +348,7 @@ def test_triton_dispatch_reads_k_ordered_weights_as_stored(monkeypatch):
             return blocked.grouped_situ_glu(x, Mxfp4Weights(pg, sg, Mxfp4Dequant.EXACT),
                                             Mxfp4Weights(pu, su, Mxfp4Dequant.EXACT), sizes,
                                             beta=beta, linear_beta=linear_beta)
-    monkeypatch.setattr(api, "triton_kernels", lambda: StandIn)
+    monkeypatch.setattr(dispatch, "triton_kernels", lambda: StandIn)
     rng = np.random.default_rng(2)
     g, k, n = 2, 128, 256
 
@@ -359,14 +360,14 @@ def test_triton_dispatch_reads_k_ordered_weights_as_stored(monkeypatch):
     sizes = jnp.array([3, 2], jnp.int32)
     wg, wu = weight(2), weight(2)
 
-    def both(impl):   # "xla": the blocked path on the logical weights
-        return (api._grouped_matmul_forward(x, wg, sizes, impl),
-                api._grouped_situ_glu_forward(x, wg, wu, sizes, 1.0, None, impl))
+    def both(backend):   # "xla": the blocked path on the logical weights
+        kernels = dispatch.kernels(resolve(backend))
+        return (kernels.matmul(x, wg, sizes), kernels.situ_glu(x, wg, wu, sizes, 1.0, None))
     for got, want in zip(both("triton"), both("xla")):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     w2 = weight(1)   # [G, K = 128, N = 256] read in K order: x comes in k_order
     x2 = jnp.asarray(rng.normal(size=(5, n)), jnp.float32)[:, :k]
-    got = api._grouped_matmul_forward(k_order(x2, 1), w2, sizes, "triton")
+    got = dispatch.kernels(resolve("triton")).matmul(k_order(x2, 1), w2, sizes)
     stored = Mxfp4Weights(w2.packed_GNK, w2.scale_GKN, w2.dequant)
     np.testing.assert_allclose(np.asarray(got),
                                np.asarray(blocked.grouped_matmul(x2, stored, sizes)),

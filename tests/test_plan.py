@@ -124,7 +124,7 @@ def test_mxfp4_plan_matches_placed_packed_experts(eight_devices):
     """MXFP4 bytes in the plan are the bytes of really placed packed expert
     arrays (uint8 codes + scales), per device, in TP (padded) and EP layouts."""
     from k3jax import RandomSource, make_mesh
-    from k3jax.layout import ExpertStorage
+    from k3jax.formats import ExpertStorage
     from k3jax.modules.moe import KimiMoE
     from k3jax.tools.memory import addressable_bytes_per_device
     cfg = TINY.replace(moe_intermediate_size=256, min_moe_intermediate_per_partition=64)
@@ -202,12 +202,17 @@ def test_cli_human_table(capsys):
     (["--dp", "6", "--expert-parallel"], "not divisible by the EP size"),
     (["--tp", "6", "--expert-parallel"], "not divisible by the EP size"),
     (["--preset", "tiny", "--tp", "8"], "multiple of 32"),
-    (["--config", "/nonexistent/config.json"], "not found"),
 ])
 def test_cli_errors_exit_2(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_config_file_is_bad_data_exit_1(capsys):
+    code, out, err = run_cli(capsys, "--config", "/nonexistent/config.json")
+    assert code == 1 and out == ""
+    assert "not found" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_bad_preset_exits_2(capsys):

@@ -21,7 +21,8 @@ from flax import nnx
 
 from k3jax.cli import main
 from numerics import rel_err
-from pallas_kernels.selfcheck import check, gate
+from pallas_kernels.backend import INTERPRET, XLA
+from pallas_kernels.selfcheck import check, gate, launch
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import KernelConfig
 
@@ -123,7 +124,8 @@ def test_the_layer_with_a_fallback_still_matches_its_xla_reference(first_run, tm
     monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setenv(gate.PERTURB_ENV, "grouped_matmul:*")
     from k3jax.config import TINY
-    from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
+    from k3jax.formats import ExpertStorage
+    from k3jax.layout import ParallelConfig, make_layout, make_mesh
     from k3jax.modules.layer import build_layer
     from k3jax.modules.params import RandomSource
 
@@ -208,9 +210,9 @@ def test_modes_off_and_strict(tmp_path, monkeypatch):
     monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(gate, "check", lambda config: CheckResult("mismatch", 0.5, 0.1, "forced"))
     monkeypatch.setenv(gate.MODE_ENV, "0")
-    assert gate.trusted_backend(CONFIG) == "interpret" and gate.records() == []
+    assert gate.trusted_backend(CONFIG) == INTERPRET and gate.records() == []
     monkeypatch.setenv(gate.MODE_ENV, "1")
-    assert gate.trusted_backend(CONFIG) == "xla"
+    assert gate.trusted_backend(CONFIG) == XLA
     gate.reset()
     monkeypatch.setenv(gate.MODE_ENV, "strict")
     with pytest.raises(gate.SelfCheckError, match="grouped_matmul:m16.*mismatch: forced"):
@@ -224,9 +226,9 @@ def test_agreed_backends_override_this_process(tmp_path, monkeypatch):
     monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(gate.MODE_ENV, "1")
     monkeypatch.setattr(gate, "check", lambda config: CheckResult("ok", 1e-6, 0.1))
-    assert gate.trusted_backend(CONFIG) == "interpret"
+    assert gate.trusted_backend(CONFIG) == INTERPRET
     gate.agree({CONFIG.name: "xla"})
-    assert gate.trusted_backend(CONFIG) == "xla"
+    assert gate.trusted_backend(CONFIG) == XLA
 
 
 def test_processes_combine_to_xla_where_any_check_failed():
@@ -292,22 +294,22 @@ def test_tune_end_to_end_caches_and_exports_the_picks(tmp_path, monkeypatch, cap
     monkeypatch.setenv("K3JAX_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setenv(tune.REPEATS_ENV, "1")
     argv = ARGV[1:-1] + ["--expert-dtype", "bfloat16", "--json"]
-    code, out, err = run_selfcheck(capsys, ["tune", *argv, "--export", str(tmp_path / "t.py")])
+    code, out, err = run_selfcheck(capsys, ["tune", *argv, "--export", str(tmp_path / "t.json")])
     assert code == 0, err
     for c in out["checks"]:
         assert c["verdict"] == "ok" and c["tuned"] == min(c["timings_us"], key=c["timings_us"].get)
     assert max(len(c["timings_us"]) for c in out["checks"]) >= 2
-    table: dict = {}
-    exec((tmp_path / "t.py").read_text(), table)
-    assert len(table["TILES"]) == 3
-    for key, entry in table["TILES"].items():
+    doc = json.loads((tmp_path / "t.json").read_text())
+    table = {tuple(row["key"]): row["entry"] for row in doc["tiles"]}
+    assert doc["generated_by"] == "k3jax tune --export" and len(table) == 3
+    for key, entry in table.items():
         tile_choice.row_config(entry)
 
     code, again, err = run_selfcheck(capsys, ["selfcheck", *argv])
     assert code == 0, err
     assert [(c["cached"], c["tuned"]) for c in again["checks"]] == \
         [(True, c["tuned"]) for c in out["checks"]]
-    for key, entry in table["TILES"].items():
+    for key, entry in table.items():
         assert tile_choice.entry_of(tile_choice.lookup(*key)[1], key[0]) == entry
 
 
@@ -405,7 +407,7 @@ def test_k_ordered_mxfp4_weights_are_checked_in_their_own_order(op, axis, monkey
     fails when perturbed. The Triton launcher of a fixed tiling permutes x /
     y as the dispatch does (a stand-in for Triton's kernels, which read the
     codes as stored: the blocked XLA path on the stored weights)."""
-    from pallas_kernels.grouped_matmul import api, blocked
+    from pallas_kernels.grouped_matmul import blocked, dispatch
     from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
     from pallas_kernels.selfcheck.config import grouped_config
 
@@ -435,11 +437,11 @@ def test_k_ordered_mxfp4_weights_are_checked_in_their_own_order(op, axis, monkey
             return blocked.grouped_situ_glu(x, Mxfp4Weights(pg, sg, Mxfp4Dequant.EXACT),
                                             Mxfp4Weights(pu, su, Mxfp4Dequant.EXACT), sizes,
                                             beta=beta, linear_beta=linear_beta)
-    monkeypatch.setattr(api, "triton_kernels", lambda: StandIn)
+    monkeypatch.setattr(dispatch, "triton_kernels", lambda: StandIn)
     on_triton = dataclasses.replace(ordered, backend="triton")
     xs, ws, sizes = inputs["x"].astype(jnp.float32), inputs["weights"], inputs["group_sizes"]
-    got = check.fixed_tiling_launcher(on_triton)(xs, ws, sizes)
-    want = check.launcher(ordered, "xla")(xs, ws, sizes)
+    got = launch.fixed_tiling_launcher(on_triton)(xs, ws, sizes)
+    want = launch.launcher(ordered, "xla")(xs, ws, sizes)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -16,9 +16,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax import TINY, KimiMLP, KimiMoE, MlpMode, ParallelConfig, SiTU, make_layout, make_mesh
-from k3jax.layout import ExpertStorage, abstract_mesh
+from k3jax.formats import ExpertStorage, Mxfp4Format, get_format
+from k3jax.layout import abstract_mesh
 from k3jax.modules import AbstractSource, RandomSource, build_layer
-from k3jax.modules.moe import expert_weights
 from k3jax.tools.plan import make_plan
 from numerics import rel_err
 from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
@@ -99,11 +99,15 @@ def test_sp_sharded_bf16_equals_replicated_up_to_the_final_rounding(eight_device
 
 # -- expert storage is explicit ------------------------------------------------------
 def test_expert_weights_follow_the_declared_storage():
+    """Each format hands the grouped matmuls its own weight objects
+    (WeightFormat.kernel_weights): dense the arrays themselves, MXFP4
+    Mxfp4Weights of the codes and scales with its dequant and K order."""
     E, L, F = 2, 64, 32
     rng = np.random.default_rng(4)
     dense = {"w1_ELF": jnp.ones((E, L, F)), "w3_ELF": jnp.ones((E, L, F)),
              "w2_EFL": jnp.ones((E, F, L))}
-    assert all(a is b for a, b in zip(expert_weights(dense, ExpertStorage.DENSE, None),
+    kernel_weights = {s: s.format.kernel_weights for s in ExpertStorage}
+    assert all(a is b for a, b in zip(kernel_weights[ExpertStorage.DENSE](dense, jnp.float32),
                                       dense.values()))
     u8 = lambda shape: jnp.asarray(rng.integers(100, 130, shape), jnp.uint8)  # noqa: E731
     packed = {}   # codes [E, out, in/2] as stored, scales [E, in/32, out]
@@ -111,26 +115,26 @@ def test_expert_weights_follow_the_declared_storage():
                                           ("w2", "ELF", "EFL", F, L)):
         packed[f"{w}_packed_{codes}"] = u8((E, n_out, n_in // 2))
         packed[f"{w}_scale_{scales}"] = u8((E, n_in // 32, n_out))
-    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4, Mxfp4Dequant.FAST)   # never dequantized
+    w1, w3, w2 = Mxfp4Format(Mxfp4Dequant.FAST).kernel_weights(packed, jnp.float32)   # not dequantized
     assert all(isinstance(w, Mxfp4Weights) and w.dequant is Mxfp4Dequant.FAST for w in (w1, w3, w2))
     assert (w1.shape, w3.shape, w2.shape) == ((E, L, F), (E, L, F), (E, F, L))
     assert w1.packed_GNK is packed["w1_packed_EFL"] and w1.scale_GKN is packed["w1_scale_ELF"]
     assert w3.packed_GNK is packed["w3_packed_EFL"] and w3.scale_GKN is packed["w3_scale_ELF"]
     assert w2.packed_GNK is packed["w2_packed_ELF"] and w2.scale_GKN is packed["w2_scale_EFL"]
     with pytest.raises(KeyError):            # a packed dict is never mistaken for dense
-        expert_weights(packed, ExpertStorage.DENSE, None)
-    with pytest.raises(ValueError, match="MXFP4 experts take dequant an Mxfp4Dequant, got None"):
-        expert_weights(packed, ExpertStorage.MXFP4, None)
-    with pytest.raises(ValueError, match="DENSE experts take dequant None"):
-        expert_weights(dense, ExpertStorage.DENSE, Mxfp4Dequant.EXACT)
+        kernel_weights[ExpertStorage.DENSE](packed, jnp.float32)
+    with pytest.raises(KeyError):            # nor a dense one for packed
+        kernel_weights[ExpertStorage.MXFP4](dense, jnp.float32)
+    with pytest.raises(ValueError, match="Mxfp4Format: dequant must be an Mxfp4Dequant, got None"):
+        Mxfp4Format(None)
     assert {w.k_order_axis for w in (w1, w3, w2)} == {None}
-    w1, w3, w2 = expert_weights(packed, ExpertStorage.MXFP4, Mxfp4Dequant.FAST, k_order=True)
+    w1, w3, w2 = Mxfp4Format(Mxfp4Dequant.FAST, k_order=True).kernel_weights(packed, jnp.float32)
     assert (w1.k_order_axis, w3.k_order_axis, w2.k_order_axis) == (2, 2, 1)
     assert w1.packed_GNK is packed["w1_packed_EFL"] and w2.scale_GKN is packed["w2_scale_EFL"]
 
 
 def test_packed_experts_run_in_k_order_on_the_mosaic_backends_only():
-    """Layout.mxfp4_k_order: packed experts on pallas / interpret whose
+    """The bound Mxfp4Format's k_order: packed experts on pallas / interpret whose
     per-shard F is whole 128-chunks (K3 under EP and TP 8), never on xla /
     triton, dense experts, or TINY's F of 64."""
     from k3jax import K3
@@ -139,41 +143,42 @@ def test_packed_experts_run_in_k_order_on_the_mosaic_backends_only():
     for backend, want in (("pallas", True), ("interpret", True), ("xla", False),
                           ("triton", False)):
         lay = make_layout(K3, par, mesh, backend=backend, experts=ExpertStorage.MXFP4)
-        assert lay.mxfp4_k_order is want, backend
+        assert lay.experts.k_order is want, backend
     tp = ParallelConfig(tp=8)
     assert make_layout(K3, tp, abstract_mesh(tp), backend="pallas",
-                       experts=ExpertStorage.MXFP4).mxfp4_k_order
-    assert not make_layout(K3, par, mesh, backend="pallas").mxfp4_k_order
+                       experts=ExpertStorage.MXFP4).experts.k_order
+    assert not hasattr(make_layout(K3, par, mesh, backend="pallas").experts, "k_order")
     assert not make_layout(TINY, ParallelConfig(), backend="interpret",
-                           experts=ExpertStorage.MXFP4).mxfp4_k_order
+                           experts=ExpertStorage.MXFP4).experts.k_order
 
 
 def test_packed_experts_dequant_is_the_layouts_and_random_scales_allow_fast():
-    """Layout.mxfp4_dequant: FAST unless stated (what abstract and random
-    weights take), None for experts that are not packed, named when not an
-    Mxfp4Dequant, and in describe(). RandomSource's scale bytes lie in
-    FAST_SCALES for every fan-in of TINY's and K3's experts (its centre
-    127 - 2 - round(log2(fan_in) / 2), +-1), so FAST is true of them."""
+    """The MXFP4 format's dequant: FAST unless stated (what abstract and
+    random weights take), absent from formats that are not packed, named
+    when not an Mxfp4Dequant, and in describe(). RandomSource's scale bytes
+    lie in FAST_SCALES for every fan-in of TINY's and K3's experts (its
+    centre 127 - 2 - round(log2(fan_in) / 2), +-1), so FAST is true of them."""
     from k3jax import K3
-    from k3jax.modules.params import Init, ParamDecl, _random_unpadded
+    from k3jax.formats.mxfp4 import random_scales
+    from k3jax.modules.params import ParamDecl, _random_unpadded
     from pallas_kernels.mxfp4_fast import FAST_SCALES
     packed = make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4)
-    assert packed.mxfp4_dequant is Mxfp4Dequant.FAST
-    exact = make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4,
-                        mxfp4_dequant=Mxfp4Dequant.EXACT)
-    assert exact.mxfp4_dequant is Mxfp4Dequant.EXACT and exact != packed
+    assert packed.experts.dequant is Mxfp4Dequant.FAST
+    exact = make_layout(TINY, ParallelConfig(), experts=Mxfp4Format(Mxfp4Dequant.EXACT))
+    assert exact.experts.dequant is Mxfp4Dequant.EXACT and exact != packed
     assert "MXFP4 experts' dequant: exact" in exact.describe()
     for storage in (ExpertStorage.DENSE, ExpertStorage.MXFP4_DEQUANT):
-        lay = make_layout(TINY, ParallelConfig(), experts=storage, mxfp4_dequant=Mxfp4Dequant.EXACT)
-        assert lay.mxfp4_dequant is None and "dequant" not in lay.describe()
-    with pytest.raises(ValueError, match="mxfp4_dequant must be an Mxfp4Dequant, got 'fast'"):
-        make_layout(TINY, ParallelConfig(), experts=ExpertStorage.MXFP4, mxfp4_dequant="fast")
+        lay = make_layout(TINY, ParallelConfig(), experts=storage)
+        assert not hasattr(lay.experts, "dequant") and "dequant" not in lay.describe()
+        assert lay.experts is get_format(storage)
+    with pytest.raises(ValueError, match="dequant must be an Mxfp4Dequant, got 'fast'"):
+        make_layout(TINY, ParallelConfig(), experts=Mxfp4Format("fast"))
     moe = KimiMoE(packed, make_mesh(ParallelConfig(), jax.devices()[:1]), source=RandomSource(3))
     for name in ("w1_scale_ELF", "w3_scale_ELF", "w2_scale_EFL"):
         assert Mxfp4Dequant.of_scales(getattr(moe, name)[...]) is Mxfp4Dequant.FAST, name
     for cfg in (TINY, K3):
         for fan_in in (cfg.routed_expert_hidden_size, cfg.moe_intermediate_size):
-            decl = ParamDecl("s", (4096,), jnp.dtype(jnp.uint8), P(), Init.MXFP4_SCALES, fan_in)
+            decl = ParamDecl("s", (4096,), jnp.dtype(jnp.uint8), P(), random_scales, fan_in)
             got = np.asarray(_random_unpadded(jax.random.key(fan_in), decl, (4096,)))
             assert FAST_SCALES.start <= got.min() and got.max() < FAST_SCALES.stop, (fan_in, got)
 
@@ -196,7 +201,7 @@ def test_ep_on_one_device_issues_and_plans_no_collectives(eight_devices):
     dp=1, tp=2, sequence_parallel=True, expert_parallel=True)], ids=["single", "sp-ep2"])
 def test_a_k_ordered_moe_layer_gives_the_stored_orders_output(eight_devices, parallel):
     """A whole MoE layer whose packed experts run in K order (TINY with F =
-    128, interpret: Layout.mxfp4_k_order) gives what the same stored
+    128, interpret: the format's k_order) gives what the same stored
     experts give on "xla" (no K order): h leaves the gate/up in k_order and
     the down projection takes it so, the product unchanged. Float32
     activations on fresh random weights and tokens."""
@@ -211,6 +216,6 @@ def test_a_k_ordered_moe_layer_gives_the_stored_orders_output(eight_devices, par
         return layout, np.asarray(nnx.jit(lambda m, x: m(x))(module, x), np.float64)
     ordered, got = forward("interpret")
     stored, want = forward("xla")
-    assert ordered.mxfp4_k_order and not stored.mxfp4_k_order
+    assert ordered.experts.k_order and not stored.experts.k_order
     assert np.isfinite(got).all() and np.abs(want).max() > 0
     assert rel_err(got, want) <= 1e-5

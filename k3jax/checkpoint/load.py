@@ -12,10 +12,10 @@ from k3jax.checkpoint.host import Workers
 from k3jax.checkpoint.pipeline import Staging, block_nbytes, local_blocks
 from k3jax.checkpoint.reader import CheckpointReader
 from k3jax.checkpoint.source import CheckpointSource
-from k3jax.layout import ExpertStorage, ParallelConfig, make_layout, make_mesh
+from k3jax.formats import ExpertStorage, dequantized_form
+from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE, build_layer, layer_decls
 from k3jax.modules.params import ParamDecl
-from k3jax.runtime.agreement import agree_mxfp4_dequant
 from pallas_kernels.backend import Backend
 
 Mxfp4Mode = Literal["packed", "dequantize"]
@@ -30,20 +30,21 @@ def load_layer(checkpoint: str | os.PathLike | CheckpointReader, layer: int,
     directory, each device's shard read straight from the files.
 
     Every tensor the layer needs is checked (name, shape, dtype, from the
-    file headers) before any data is read. MXFP4 routed experts stay packed
-    in device memory (``mxfp4="packed"``, 0.53125 B per parameter,
-    dequantized in the forward) or are dequantized to ``dtype`` on load
-    (``"dequantize"``). ``progress`` shows a bar on a terminal's stderr, in
+    file headers) before any data is read. Routed experts stored in a codec
+    format's tensors (k3jax.formats; MXFP4 in K3's checkpoint) stay packed
+    in device memory in that format (``mxfp4="packed"``, 0.53125 B per
+    parameter for MXFP4, dequantized in the forward) or are dequantized to
+    ``dtype`` on load (``"dequantize"``). ``progress`` shows a bar on a terminal's stderr, in
     bytes read. ``workers`` threads read (default: one per core this process
     may use). The Layout is made here, once, from the checkpoint's config,
-    ``mesh`` (which resolves ``backend``), ``dtype`` and the expert storage
-    (ExpertStorage.MXFP4 for packed MXFP4 experts, MXFP4_DEQUANT for MXFP4
-    experts dequantized on load, DENSE for float experts) and, for packed
-    experts, the in-kernel dequant their stored scale bytes allow
-    (Layout.mxfp4_dequant: each process reads its blocks of the scales first,
-    and every process takes the verdict all of them agree on); the module
-    reads it. Raises k3jax.layout.LayoutError when ``parallel`` cannot hold the
-    layer (its subclass Mxfp4ShardError when only packed MXFP4 cannot:
+    ``mesh`` (which resolves ``backend``), ``dtype`` and the expert format
+    ("mxfp4" for packed MXFP4 experts, "mxfp4-dequant" for MXFP4 experts
+    dequantized on load, "dense" for float experts) with the static facts
+    its stored bytes decide (MXFP4: the in-kernel dequant the scale bytes
+    allow; each process reads its blocks first, and every process takes the
+    fact all of them agree on); the module reads it. Raises
+    k3jax.layout.LayoutError when ``parallel`` cannot hold the layer (its
+    subclass ExpertShardError when only the packed format cannot:
     ``mxfp4="dequantize"`` avoids it), CheckpointError for a checkpoint
     problem (no module is returned then)."""
     (module,) = load_layers(checkpoint, [layer], parallel, mesh, dtype=dtype, backend=backend,
@@ -85,8 +86,8 @@ def read_layers(checkpoint: str | os.PathLike | CheckpointReader, layers: Sequen
     """The host side of ``load_layers`` alone: every block this process's
     devices would hold is read, checked and dropped exactly as loading does
     (headers first, the read-ahead thread, the worker pool, the staging
-    buffers, the first read of packed MXFP4 scales that decides their
-    dequant), and nothing is placed on a device. Returns the bytes placing
+    buffers, the first read of a packed format's bytes that decides its
+    facts, e.g. MXFP4 scales and their dequant), and nothing is placed on a device. Returns the bytes placing
     reads (the scales' first read not counted).
     ``k3jax load-bench`` times it as the loader's host-side peer: on an
     accelerator the device work (transfer, transposes) runs beside it; on
@@ -119,29 +120,34 @@ def _open(checkpoint, layers, parallel, mesh, mxfp4):
 def _plan(reader, layers, parallel, mesh, dtype, backend, mxfp4, pool, staging,
           agree: bool = True, host_ops: bool | None = None) -> list:
     """[(layer, layout, decls, source)], every tensor's header checked; the
-    layouts of packed MXFP4 layers carry the dequant their scale bytes allow
-    (this process's blocks read first, CheckpointSource.mxfp4_dequant; the
-    verdicts agreed across processes unless ``agree`` is False: nothing is
-    placed then)."""
-    plans, verdicts = [], []
+    layouts of layers whose format reads facts off its stored bytes (MXFP4:
+    the dequant its scale bytes allow) carry them (this process's blocks
+    read first, CheckpointSource.stored_fact; the facts agreed across
+    processes unless ``agree`` is False: nothing is placed then)."""
+    plans, facts = [], {}
     for layer in layers:
         source = CheckpointSource(reader, layer, workers=pool, staging=staging, host_ops=host_ops)
-        experts = ExpertStorage.DENSE
-        if source.experts_are_mxfp4:
-            experts = ExpertStorage.MXFP4 if mxfp4 == "packed" else ExpertStorage.MXFP4_DEQUANT
+        codec = source.experts_codec
+        experts = (ExpertStorage.DENSE if codec is None
+                   else codec if mxfp4 == "packed" else dequantized_form(codec))
         layout = make_layout(reader.config, parallel, mesh, backend=backend, experts=experts,
                              dtype=dtype)
         decls = layer_decls(layout, layer)
         source.check(decls)
-        if experts.packed:   # the same layers on every process: the same verdict count
-            verdicts.append(source.mxfp4_dequant(decls, mesh))
+        if layout.experts.fact_params:   # the same layers on every process: the same count
+            facts.setdefault(layout.experts.name, {})[len(plans)] = source.stored_fact(
+                layout.experts, decls, mesh)
         plans.append((layer, layout, decls, source))
-    agreed = iter(agree_mxfp4_dequant(verdicts) if agree else verdicts)
-    return [(layer, make_layout(reader.config, parallel, mesh, backend=backend,
-                                experts=layout.experts, dtype=dtype,
-                                mxfp4_dequant=next(agreed))
-             if layout.experts.packed else layout, decls, source)
-            for layer, layout, decls, source in plans]
+    for name in sorted(facts):   # every process agrees in the same order
+        fmt = next(plans[i][1].experts for i in facts[name])
+        local = facts[name]
+        agreed = fmt.agree_facts(list(local.values())) if agree else list(local.values())
+        for i, fact in zip(local, agreed):
+            layer, layout, decls, source = plans[i]
+            plans[i] = (layer, make_layout(reader.config, parallel, mesh, backend=backend,
+                                           experts=layout.experts.with_fact(fact), dtype=dtype),
+                        decls, source)
+    return plans
 
 
 def _build(plans, mesh, on_block: Callable[[int], None] | None) -> list[KimiMLP | KimiMoE]:

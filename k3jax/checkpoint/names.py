@@ -1,16 +1,22 @@
 """Checkpoint tensor names (docs/spec.md §3), in one table keyed by module parameter.
 
 Every weight is stored ``[out, in]`` (torch Linear); k3jax parameters are
-``[in, out]``, so most entries are transposed on load. The exception is the
-packed MXFP4 routed-expert codes, which k3jax holds ``[out, in/2]`` as stored,
-their bits interleaved within each 4 bytes (pallas_kernels.mxfp4_words; their
-scales are transposed like the weights). Routed experts are one
-tensor per expert, stacked on load along the leading E axis.
+``[in, out]``, so most entries are transposed on load. Routed experts are one
+tensor per expert, stacked on load along the leading E axis; their entries
+come from the registered expert formats (WeightFormat.checkpoint_tensors,
+k3jax.formats), which say what else happens to them (a packed format's raw
+codes are held ``[out, in/2]`` as stored, their bits interleaved within each
+4 bytes; its scales are transposed like the weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from k3jax.formats import StoredTensor, expert_tensors
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 
@@ -22,12 +28,24 @@ class TensorRef:
     suffix: the name after the layer's prefix; ``{e}`` stands for the expert id.
     transpose: the stored tensor is the parameter's transpose ([out, in]).
     per_expert: one stored tensor per expert, stacked along the parameter's axis 0.
+    raw, dtypes, interleave, check: a format's own tensor (StoredTensor):
+    read as stored with a dtype in ``dtypes``, its codes interleaved after
+    reading, each block passed to ``check`` (ValueError: rejected).
     """
 
     suffix: str
     transpose: bool
     per_expert: bool = False
-    packed: bool = False      # raw MXFP4 bytes (weight_packed / weight_scale), read as uint8
+    raw: bool = False
+    dtypes: tuple[str, ...] = ()
+    interleave: bool = False
+    check: Callable[[np.ndarray], None] | None = None
+
+    @classmethod
+    def of_expert(cls, stored: StoredTensor) -> TensorRef:
+        """The per-expert entry ``experts.{e}.<suffix>`` of a format's parameter."""
+        return cls(f"experts.{{e}}.{stored.suffix}", stored.transpose, True, stored.raw,
+                   stored.dtypes, stored.interleave, stored.check)
 
     def name(self, prefix: str, expert: int | None = None) -> str:
         return prefix + (self.suffix.format(e=expert) if self.per_expert else self.suffix)
@@ -47,19 +65,9 @@ MOE_TENSORS: dict[str, TensorRef] = {
     "lat_down_DL": TensorRef("routed_expert_down_proj.weight", True),
     "lat_norm_L": TensorRef("routed_expert_norm.weight", False),
     "lat_up_LD": TensorRef("routed_expert_up_proj.weight", True),
-    "w1_ELF": TensorRef("experts.{e}.w1.weight", True, per_expert=True),
-    "w3_ELF": TensorRef("experts.{e}.w3.weight", True, per_expert=True),
-    "w2_EFL": TensorRef("experts.{e}.w2.weight", True, per_expert=True),
     **mlp_tensors("shared.", "shared_experts."),
-    # MXFP4 experts: the codes [E, out, in/2] are held in the stored orientation
-    # (each expert's tensor is its slice as it lies), each 4 bytes' bits
-    # interleaved on the device (mxfp4_words); the scales [E, in/32, out] transposed.
-    **{f"{w}_{part}_{axes}": TensorRef(f"experts.{{e}}.{w}.weight_{part}", part == "scale", True,
-                                        packed=True)
-       for w, part, axes in (("w1", "packed", "EFL"), ("w1", "scale", "ELF"),
-                             ("w3", "packed", "EFL"), ("w3", "scale", "ELF"),
-                             ("w2", "packed", "ELF"), ("w2", "scale", "EFL"))},
 }
+"""The MoE layer's tensors other than the routed experts'."""
 
 
 def layer_prefix(layer: int, is_moe: bool) -> str:
@@ -68,11 +76,9 @@ def layer_prefix(layer: int, is_moe: bool) -> str:
 
 
 def layer_tensors(is_moe: bool) -> dict[str, TensorRef]:
-    return MOE_TENSORS if is_moe else DENSE_TENSORS
-
-
-def mxfp4_names(weight_name: str) -> tuple[str, str]:
-    """``...w1.weight`` -> (``...w1.weight_packed``, ``...w1.weight_scale``)."""
-    if not weight_name.endswith(".weight"):
-        raise ValueError(f"not a weight name: {weight_name}")
-    return weight_name + "_packed", weight_name + "_scale"
+    """{module parameter: TensorRef} of a layer: for a MoE layer, its own
+    tensors and the routed experts' of every registered format."""
+    if not is_moe:
+        return DENSE_TENSORS
+    return {**MOE_TENSORS, **{param: TensorRef.of_expert(stored)
+                              for param, stored in expert_tensors().items()}}

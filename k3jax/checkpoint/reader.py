@@ -27,7 +27,7 @@ import numpy as np
 
 from k3jax.checkpoint.host import CHUNK_BYTES, Workers
 from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX
-from k3jax.config import K3Config, from_hf_config
+from k3jax.config import MATH_KEYS, TENSOR_KEYS, K3Config, describe_defaults, read_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = {"F32": np.float32, "BF16": "bfloat16", "F16": np.float16}
@@ -57,16 +57,27 @@ class TensorEntry:
 
 
 class CheckpointReader:
-    """Random access to the tensors of one checkpoint directory."""
+    """Random access to the tensors of one checkpoint directory.
+
+    ``config_defaults``: {key: value used} for each key of
+    k3jax.config.TENSOR_KEYS / MATH_KEYS that config.json lacks;
+    ``math_defaults`` those the tensors cannot confirm (a caller warns about
+    them). A tensor that is missing or has another shape names the absent
+    TENSOR_KEYS, whose defaults may be the cause."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
         if not os.path.isdir(self.directory):
+            if os.path.exists(self.directory):
+                raise CheckpointError(f"checkpoint {self.directory} is not a directory (a "
+                                      f"checkpoint is a directory holding config.json and "
+                                      f"*.safetensors files)")
             raise CheckpointError(f"checkpoint directory not found: {self.directory}")
         config_path = os.path.join(self.directory, "config.json")
         if not os.path.isfile(config_path):
             raise CheckpointError(f"checkpoint has no config.json: {config_path}")
-        self.config: K3Config = from_hf_config(config_path)
+        self.config: K3Config
+        self.config, self.config_defaults = read_hf_config(config_path)
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         weakref.finalize(self, _close_all, self._fds)
@@ -74,6 +85,20 @@ class CheckpointReader:
         self._file_of = self._index_tensors()
         self.prefix = (LANGUAGE_MODEL_PREFIX
                        if any(n.startswith(LANGUAGE_MODEL_PREFIX) for n in self._file_of) else "")
+
+    @property
+    def math_defaults(self) -> dict:
+        """{key: default used} for the absent keys that change the math (MATH_KEYS)."""
+        return {k: v for k, v in self.config_defaults.items() if k in MATH_KEYS}
+
+    def _defaults_note(self) -> str:
+        """A note naming the absent TENSOR_KEYS and their defaults, for an
+        error about a tensor those keys size; "" when none is absent."""
+        keys = [k for k in TENSOR_KEYS if k in self.config_defaults]
+        if not keys:
+            return ""
+        return (f" ({os.path.join(self.directory, 'config.json')} has "
+                f"{describe_defaults(keys, self.config_defaults)})")
 
     def close(self) -> None:
         """Close the open files (reads after this reopen them)."""
@@ -126,7 +151,8 @@ class CheckpointReader:
         """The header entry of ``name``; raises if missing."""
         full = self.full_name(name)
         if full not in self._file_of:
-            raise CheckpointError(f"missing tensor {full} in checkpoint {self.directory}")
+            raise CheckpointError(f"missing tensor {full} in checkpoint {self.directory}"
+                                  + self._defaults_note())
         file = self._file_of[full]
         header = self._header(file)
         if full not in header:
@@ -147,7 +173,7 @@ class CheckpointReader:
                                   f"(expected one of {sorted(dtypes)})")
         if tuple(got) != tuple(shape):
             raise CheckpointError(f"tensor {self.full_name(name)} has shape {list(got)}, "
-                                  f"expected {list(shape)}")
+                                  f"expected {list(shape)}" + self._defaults_note())
         return dtype
 
     def _region(self, name: str, index) -> tuple[TensorEntry, list[tuple[int, int]]]:

@@ -7,13 +7,16 @@ orientation ([out, in] per weight, experts stacked, zero padding written):
 each stored piece (one expert's slice, one tensor's slice) is read once,
 straight into its place, by a pool of worker threads (pieces of one block in
 parallel, a large piece split into chunks), and checked there (NaN / inf on
-the bits, MXFP4 scales). On an accelerator the block goes to its devices
-and the parameter's device op (``device_op``) runs there: the transpose of a
-parameter held [in, out], the word interleave of packed MXFP4 expert codes
-(held [E, out, in/2]). On CPU devices the same op runs on the host as the
-block is read (``host_op``, k3jax.checkpoint.slabs: slab by slab, each
-result written once into the block, which is then the parameter and which
-the devices alias). A parameter held as stored (1-D tensors) is the block
+the bits; a format's raw tensors by its check, e.g. MXFP4 scales). On an
+accelerator the block goes to its devices and the parameter's device op
+(``device_op``) runs there: the transpose of a parameter held [in, out],
+the word interleave of a packed format's expert codes (held [E, out, in/2]).
+A float expert weight stored in a codec format's tensors (k3jax.formats:
+e.g. MXFP4 codes and scales) is decoded by that format as it is read. On
+CPU devices the same op runs on the host as the block is read
+(``host_op``, k3jax.checkpoint.slabs: slab by slab, each result written
+once into the block, which is then the parameter and which the devices
+alias). A parameter held as stored (1-D tensors) is the block
 itself: nothing but the transfer happens to it, and none on a CPU device,
 which aliases the block. With
 ``read_ahead`` a thread reads the blocks in the order they will be placed,
@@ -27,14 +30,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from k3jax.checkpoint.host import Workers, aligned_empty, first_nonfinite
-from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors, mxfp4_names
+from k3jax.checkpoint.names import TensorRef, layer_prefix, layer_tensors
 from k3jax.checkpoint.pipeline import (
     BlockKey,
     DeviceOp,
@@ -51,23 +54,19 @@ from k3jax.checkpoint.pipeline import (
 )
 from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
 from k3jax.checkpoint.slabs import INTERLEAVE, TRANSPOSE, HostOp, slabs
+from k3jax.formats import WeightFormat, codecs
+from k3jax.formats.dense import PARAM_NAMES as DENSE_EXPERTS
 from k3jax.modules.params import ParamDecl
-from pallas_kernels.mxfp4 import (
-    BLOCK_SIZE,
-    SCALE_NAN,
-    Mxfp4Dequant,
-    dequant_numpy,
-    validate_scales,
-)
 
 
 def device_op(ref: TensorRef) -> DeviceOp | None:
     """What the devices do to a block of ``ref`` read as stored: transpose a
-    weight stored [out, in] (and MXFP4 scales), interleave packed MXFP4 codes
-    into the word layout Mxfp4Weights holds; nothing to the rest."""
+    weight stored [out, in] (and a packed format's scales), interleave a
+    packed format's codes into the word layout its kernels read; nothing to
+    the rest."""
     if ref.transpose:
         return swap_last_axes
-    return interleave_codes if ref.packed else None
+    return interleave_codes if ref.interleave else None
 
 
 def host_op(ref: TensorRef) -> HostOp | None:
@@ -75,7 +74,7 @@ def host_op(ref: TensorRef) -> HostOp | None:
     as the block is read (k3jax.checkpoint.slabs); the same bytes result."""
     if ref.transpose:
         return TRANSPOSE
-    return INTERLEAVE if ref.packed else None
+    return INTERLEAVE if ref.interleave else None
 
 
 def ops_on_host(mesh) -> bool:
@@ -140,16 +139,21 @@ class CheckpointSource:
         self.host_ops = host_ops
         self._in_flight = InFlight()
         self._prefetch: Prefetcher | None = None
-        self._stored: dict[str, dict[int | None, bool]] = {}   # decl name -> _check's answer
-        self._scale_dequant: list[Mxfp4Dequant] | None = None   # mxfp4_dequant's, per piece
+        self._stored: dict[str, dict[int | None, WeightFormat | None]] = {}   # _check's answers
+        self._facts: list | None = None   # stored_fact's, one per stored piece
+        self._fact_of: Callable[[np.ndarray], Any] | None = None
 
     @property
-    def experts_are_mxfp4(self) -> bool:
-        """Whether this (MoE) layer stores ALL its routed experts as MXFP4 (a
-        layer mixing plain and MXFP4 experts can only be loaded dequantized)."""
-        return self.is_moe and all(
-            self.reader.has(mxfp4_names(self.tensors[w].name(self.prefix, e))[0])
-            for w in ("w1_ELF", "w3_ELF", "w2_EFL") for e in range(self.reader.config.num_experts))
+    def experts_codec(self) -> WeightFormat | None:
+        """The codec format (k3jax.formats.codecs) in whose tensors this MoE
+        layer stores ALL its routed experts, or None (float experts; a layer
+        mixing float and encoded experts can only be loaded dequantized)."""
+        if not self.is_moe:
+            return None
+        names = [self.tensors[w].name(self.prefix, e) for w in DENSE_EXPERTS
+                 for e in range(self.reader.config.num_experts)]
+        return next((fmt for fmt in codecs()
+                     if all(self.reader.has(fmt.stored_names(n)[0]) for n in names)), None)
 
     def check(self, decls: Sequence[ParamDecl]) -> None:
         """Validate every stored tensor behind ``decls`` (names, shapes and
@@ -157,29 +161,28 @@ class CheckpointSource:
         for decl in decls:
             self._stored[decl.name] = self._check(decl, self.tensors[decl.name])
 
-    def mxfp4_dequant(self, decls: Sequence[ParamDecl], mesh) -> Mxfp4Dequant | None:
-        """The in-kernel dequant the stored scale bytes of the packed MXFP4
-        experts among ``decls`` (checked) allow on this process: every block
-        of theirs this process's devices hold on ``mesh`` is read (on the
-        workers, checked as placing checks it) and dropped; FAST when each
-        stored byte is in mxfp4_fast.FAST_SCALES (zero padding is not
-        stored: it does not count), else EXACT; None when ``decls`` hold no
-        packed scales. The scales are 1/16 of the codes' bytes; placing
-        reads them again. Each process sees its own blocks only: the loader
-        agrees the verdict across processes (k3jax.runtime.agreement)."""
-        scale_decls = [d for d in decls if self.tensors[d.name].packed
-                       and self.tensors[d.name].transpose]
-        if not scale_decls:
+    def stored_fact(self, fmt: WeightFormat, decls: Sequence[ParamDecl], mesh) -> Any:
+        """The static fact of ``fmt`` (e.g. the in-kernel dequant a packed
+        format's scale bytes allow) that the stored bytes of its
+        ``fact_params`` among ``decls`` (checked) decide on this process:
+        every block of theirs this process's devices hold on ``mesh`` is
+        read (on the workers, checked as placing checks it), passed to
+        ``fmt.fact_of`` and dropped (zero padding is not stored: it does not
+        count); ``fmt.combine_facts`` of them. None when ``decls`` hold none
+        of them. Placing reads them again. Each process sees its own blocks
+        only: the loader agrees the fact across processes (fmt.agree_facts)."""
+        fact_decls = [d for d in decls if d.name in fmt.fact_params]
+        if not fact_decls:
             return None
-        self._scale_dequant = []   # _fill adds each stored piece's verdict
+        self._facts, self._fact_of = [], fmt.fact_of   # _fill adds each stored piece's
         try:
-            for decl in scale_decls:
+            for decl in fact_decls:
                 ref = self.tensors[decl.name]
                 for index, _ in local_blocks(decl.shape, NamedSharding(mesh, decl.spec)):
                     self._read_block(decl, ref, self._stored[decl.name], index)
-            return Mxfp4Dequant.combine(self._scale_dequant)
+            return fmt.combine_facts(self._facts)
         finally:
-            self._scale_dequant = None
+            self._facts = self._fact_of = None
 
     def read_ahead(self, decls: Sequence[ParamDecl], mesh) -> list[BlockKey]:
         """Start reading the blocks of ``decls`` (checked, in the order they
@@ -283,32 +286,35 @@ class CheckpointSource:
             shape = shape[1:]
         return tuple(reversed(shape)) if ref.transpose else tuple(shape)
 
-    def _check(self, decl: ParamDecl, ref: TensorRef) -> dict[int | None, bool]:
-        """Validate every stored tensor behind ``decl``; map expert -> is MXFP4."""
+    def _check(self, decl: ParamDecl, ref: TensorRef) -> dict[int | None, WeightFormat | None]:
+        """Validate every stored tensor behind ``decl``; map expert -> the
+        codec format its float weight is stored in (None: as stored)."""
         out, *rest = self._stored_shape(decl, ref)
         experts = range(decl.shape[0]) if ref.per_expert else [None]
         stored = {}
         for e in experts:
             name = ref.name(self.prefix, e)
-            if ref.packed:
-                self.reader.check(name, (out, *rest), {"U8"})
-                stored[e] = False
+            stored[e] = None
+            if ref.raw:
+                self.reader.check(name, (out, *rest), set(ref.dtypes))
                 continue
             if self.reader.has(name) or not ref.per_expert:
                 self.reader.check(name, (out, *rest), FLOAT_DTYPES)
-                stored[e] = False
                 continue
-            packed, scale = mxfp4_names(name)
-            if not (self.reader.has(packed) or self.reader.has(scale)):
-                raise CheckpointError(f"missing tensor {self.reader.full_name(name)} (nor its MXFP4 "
-                                      f"form {packed.rsplit('.', 1)[-1]}/_scale) in {self.reader.directory}")
-            (n_in,) = rest
-            if n_in % BLOCK_SIZE:
-                raise CheckpointError(f"tensor {self.reader.full_name(packed)}: MXFP4 needs the input "
-                                      f"width {n_in} to be a multiple of {BLOCK_SIZE}")
-            self.reader.check(packed, (out, n_in // 2), {"U8"})
-            self.reader.check(scale, (out, n_in // BLOCK_SIZE), {"U8"})
-            stored[e] = True
+            fmt = next((f for f in codecs() if any(map(self.reader.has, f.stored_names(name)))),
+                       None)
+            if fmt is None:
+                forms = "; ".join(f"{f.name}: " + ", ".join(n.rsplit(".", 1)[-1]
+                                                           for n in f.stored_names(name))
+                                  for f in codecs())
+                raise CheckpointError(f"missing tensor {self.reader.full_name(name)} (nor its "
+                                      f"encoded forms, {forms}) in {self.reader.directory}")
+            try:
+                fmt.check_stored(self.reader.check, name, out, *rest)
+            except ValueError as err:
+                raise CheckpointError(f"tensor {self.reader.full_name(fmt.stored_names(name)[0])}: "
+                                      f"{err}") from None
+            stored[e] = fmt
         return stored
 
     # -- reading one device block ------------------------------------------------
@@ -378,7 +384,7 @@ class CheckpointSource:
         index_of = [slice(r.start, r.stop) for r in host(src_ranges[inner])]
         if ref.per_expert:
             jobs = [functools.partial(self._fill, ref.name(self.prefix, e), stored[e],
-                                      index_of, out[j], inner_keep, None)
+                                      index_of, out[j], inner_keep, None, ref.check)
                     for j, e in enumerate(src_ranges[0])]
             if workers is None:
                 for job in jobs:
@@ -386,25 +392,29 @@ class CheckpointSource:
             else:
                 workers.run(jobs)
         else:
-            self._fill(ref.name(self.prefix), stored[None], index_of, out, inner_keep, workers)
+            self._fill(ref.name(self.prefix), stored[None], index_of, out, inner_keep, workers,
+                       ref.check)
         return out
 
-    def _fill(self, name: str, is_mxfp4: bool, index: list[slice], dest: np.ndarray,
-              keep: tuple, workers: Workers | None) -> None:
-        """Read stored region ``index`` of ``name`` (decoding MXFP4) into
-        ``dest[keep]``, and check it; straight into place when it can be."""
-        if is_mxfp4:
-            dest[keep] = self._read_mxfp4(name, index)   # casts to dest.dtype
+    def _fill(self, name: str, codec: WeightFormat | None, index: list[slice], dest: np.ndarray,
+              keep: tuple, workers: Workers | None,
+              check: Callable[[np.ndarray], None] | None = None) -> None:
+        """Read stored region ``index`` of ``name`` (decoded by ``codec``
+        when its float weight is stored in that format's tensors) into
+        ``dest[keep]``, and check it (a raw tensor by ``check``, a float one
+        for NaN / inf); straight into place when it can be."""
+        if codec is not None:   # casts to dest.dtype
+            dest[keep] = codec.decode(self._read_checked, name, *index)
             return
         stored_dtype = STORED_DTYPES[self.reader.info(name)[0]]
         target = dest[keep] if all(isinstance(k, slice) for k in keep) else None
         direct = (target is not None and stored_dtype == dest.dtype
                   and target.strides[-1] == dest.itemsize)
         block = self.reader.read(name, index, out=target if direct else None, workers=workers)
-        if name.endswith(".weight_scale"):   # packed MXFP4 scales: reject NaN bytes here too
-            self._validate_scales(name, block)
-            if self._scale_dequant is not None:   # inside mxfp4_dequant
-                self._scale_dequant.append(Mxfp4Dequant.of_scales(block))
+        if check is not None:   # a format's raw tensor: its own check, here too
+            self._check_block(name, block, check)
+            if self._fact_of is not None:   # inside stored_fact
+                self._facts.append(self._fact_of(block))
         elif block.dtype != np.uint8:
             self._check_finite(name, block, index, workers)
         if not direct:
@@ -419,24 +429,18 @@ class CheckpointSource:
             raise CheckpointError(f"tensor {self.reader.full_name(name)} holds NaN or inf "
                                   f"(the first at index {at})")
 
-    def _validate_scales(self, scale_name: str, scales: np.ndarray) -> None:
-        if scales.dtype == np.uint8 and (scales.size == 0 or scales.max() < SCALE_NAN):
-            return                                     # no NaN byte: skip the full scan
+    def _check_block(self, name: str, block: np.ndarray, check: Callable[[np.ndarray], None]) -> None:
+        """A format's ``check`` of a stored block; its ValueError names the tensor."""
         try:
-            validate_scales(scales)
+            check(block)
         except ValueError as e:
-            raise CheckpointError(f"tensor {self.reader.full_name(scale_name)}: {e}") from None
+            raise CheckpointError(f"tensor {self.reader.full_name(name)}: {e}") from None
 
-    def _read_mxfp4(self, name: str, index: list[slice]) -> np.ndarray:
-        """Rows ``index[0]`` and inputs ``index[1]`` of an MXFP4 weight, decoded."""
-        rows, cols = index
-        packed_name, scale_name = mxfp4_names(name)
-        first_block = cols.start // BLOCK_SIZE
-        last_block = math.ceil(cols.stop / BLOCK_SIZE)
-        packed = self.reader.read(packed_name, [rows, slice(first_block * BLOCK_SIZE // 2,
-                                                            last_block * BLOCK_SIZE // 2)])
-        scales = self.reader.read(scale_name, [rows, slice(first_block, last_block)])
-        self._validate_scales(scale_name, scales)
-        values = dequant_numpy(packed, scales)
-        offset = first_block * BLOCK_SIZE
-        return values[:, cols.start - offset: cols.stop - offset]
+    def _read_checked(self, name: str, index: list[slice],
+                      check: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Region ``index`` of tensor ``name`` as stored, passed to ``check``
+        (a codec's reader, WeightFormat.decode)."""
+        block = self.reader.read(name, index)
+        if check is not None:
+            self._check_block(name, block, check)
+        return block

@@ -12,11 +12,12 @@ from typing import Iterator, Literal
 import numpy as np
 from safetensors.numpy import save_file
 
-from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors, mxfp4_names
+from k3jax.checkpoint.names import LANGUAGE_MODEL_PREFIX, layer_prefix, layer_tensors
 from k3jax.checkpoint.reader import INDEX_FILE
 from k3jax.config import K3Config
 from k3jax.files import usual_mode
-from pallas_kernels.mxfp4 import BLOCK_SIZE, encode
+from k3jax.formats import get_format
+from pallas_kernels.mxfp4 import BLOCK_SIZE
 
 WeightDtype = Literal["float32", "bfloat16", "float16"]
 ExpertFormat = Literal["dense", "mxfp4"]
@@ -34,12 +35,14 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
     """(name, array) for every tensor of every layer, in the stored [out, in]
     layout. Weights are normal / sqrt(fan_in), the norm 1 + 0.1 normal, the
     router bias 0.05 normal (float32). ``experts="mxfp4"`` stores routed
-    experts as weight_packed / weight_scale. ``fast=True`` fills the same
+    experts in that format's tensors (weight_packed / weight_scale: its
+    stored_names and encode, k3jax.formats). ``fast=True`` fills the same
     tensors (names, shapes, dtypes) with random bits instead, many times
     faster to make (for loader benchmarks, which move bytes): float weights
     any finite value of magnitude below 2 (the exponent's top bit clear),
     MXFP4 codes any byte, scale bytes from FAST_SCALE_BYTES."""
     rng = np.random.default_rng(seed)
+    codec = None if experts == "dense" else get_format(experts)
     np_dtype = np.dtype(dtype)
     D, L, E, I, F = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
                      cfg.moe_intermediate_size, cfg.intermediate_size)
@@ -54,12 +57,12 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
                 np_dtype).reshape(out, inp)
         return (rng.standard_normal((out, inp), np.float32) / np.sqrt(inp)).astype(np_dtype)
 
-    def mxfp4(out: int, inp: int) -> tuple[np.ndarray, np.ndarray]:
-        if fast:
+    def encoded(out: int, inp: int) -> tuple[np.ndarray, ...]:
+        if fast:   # MXFP4's codes and scales
             packed = np.frombuffer(rng.bytes(out * inp // 2), np.uint8).reshape(out, inp // 2)
             return packed, rng.integers(FAST_SCALE_BYTES.start, FAST_SCALE_BYTES.stop,
                                         (out, inp // BLOCK_SIZE), dtype=np.uint8)
-        return encode(rng.standard_normal((out, inp), np.float32) / np.sqrt(inp))
+        return codec.encode(rng.standard_normal((out, inp), np.float32) / np.sqrt(inp))
 
     for layer in range(cfg.num_hidden_layers):
         is_moe = cfg.is_moe_layer(layer)
@@ -82,11 +85,8 @@ def synthetic_tensors(cfg: K3Config, seed: int, *, dtype: WeightDtype = "bfloat1
         for e in range(E):
             for w, (out, inp) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
                 name = f"{prefix}experts.{e}.{w}.weight"
-                if experts == "mxfp4":
-                    packed, scales = mxfp4(out, inp)
-                    packed_name, scale_name = mxfp4_names(name)
-                    yield packed_name, packed
-                    yield scale_name, scales
+                if codec is not None:
+                    yield from zip(codec.stored_names(name), encoded(out, inp))
                 else:
                     yield name, weight(out, inp)
 

@@ -3,7 +3,11 @@
 ``build_parser`` (so that ``entry`` decides the process's environment before
 anything imports jax).
 
-Usage errors exit 2 with a one-line message; runtime errors exit 1.
+Exit status, with a one-line message on stderr for each error: 2 for usage
+(flags, their values and combinations, a layout the model cannot be split
+over, an output path that cannot be written, more than the machine can
+simulate, environment variables), 1 for bad data (input files, config files,
+checkpoints, peer processes) and for work that fails; 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import importlib
 import os
 import sys
 
+from k3jax.cli import interrupt
 from k3jax.cli.platforms import default_jax_platforms, default_xla_flags, huge_page_environ
 
 default_jax_platforms()   # before the sub-commands import jax
 default_xla_flags()
 
-COMMANDS = ("run", "make_checkpoint", "plan", "bench", "compile", "latency", "load_bench",
-            "selfcheck", "tune")
+COMMANDS = ("run", "make_checkpoint", "plan", "bench", "compile", "latency", "balance",
+            "load_bench", "selfcheck", "tune")
 """The sub-command modules of k3jax.cli, in the order --help lists them."""
 
 
@@ -37,10 +42,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse ``argv``, check the environment variables, run the sub-command.
+    Exit status: 0, 1 (bad data: files, checkpoints, peers; or a failure of
+    the work), 2 (usage: flags, environment variables; argparse's errors
+    raise SystemExit(2)), 130 (interrupted)."""
     try:
-        return args.main(args, parser.prog + " " + args.command)
+        from k3jax.cli.common import UsageError
+        from k3jax.cli.environment import check_environment
+
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        prog = args.prog = parser.prog + " " + args.command
+        try:
+            check_environment()
+        except UsageError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        from k3jax.cli.extras import missing_message
+        if missing := missing_message(args.command, getattr(args, "backend", None)):
+            print(f"{prog}: error: {missing}", file=sys.stderr)   # an optional extra: exit 2
+            return 2
+        return args.main(args, prog)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -50,7 +72,7 @@ def entry() -> None:
     """The ``k3jax`` process (the console script and ``python -m k3jax``):
     first re-executed once with huge pages for malloc where
     ``huge_page_environ`` says so (before any buffer is allocated), then
-    ``main()``."""
+    ``main()``, with Ctrl-C ending it within seconds (k3jax.cli.interrupt)."""
     environ = huge_page_environ()
     if environ is not None:
         try:
@@ -58,6 +80,7 @@ def entry() -> None:
         except OSError as e:   # run on, with 4 KiB pages
             print(f"k3jax: could not re-execute with {environ['GLIBC_TUNABLES']} ({e}); "
                   "continuing without huge pages", file=sys.stderr)
+    interrupt.install()
     sys.exit(main())
 
 

@@ -9,6 +9,7 @@ import sys
 
 from k3jax.cli.common import (
     BACKENDS,
+    MAX_TOKENS,
     UsageError,
     add_model_source_flags,
     check_backend,
@@ -43,6 +44,8 @@ def token_list(text: str) -> list[int]:
         raise bad from None
     if not values or any(v < 1 for v in values):
         raise bad
+    if max(values) > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_TOKENS:,} tokens, got {max(values):,}")
     if sorted(set(values)) != values:
         raise argparse.ArgumentTypeError(f"token counts must be increasing and distinct, got {text!r}")
     return values

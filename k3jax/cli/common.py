@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import PRESETS, K3Config, from_hf_config, preset
+from k3jax.cli.machine import device_count_problem
+from k3jax.config import MATH_KEYS, PRESETS, TENSOR_KEYS, K3Config, preset, read_hf_config
 from k3jax.files import atomic_write, check_writable
 from k3jax.layout import (
     DEFAULT_SHARED_OVERLAP,
@@ -30,6 +32,14 @@ from pallas_kernels import interpret_compat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 BACKENDS = ("auto", "xla", "pallas", "interpret", "triton")
+
+
+MAX_MESH_DEVICES = 1 << 20
+"""The largest mesh a layout flag may ask for (XLA counts devices in int32;
+planning a mesh of 2^20 devices takes seconds)."""
+MAX_TOKENS = 1 << 20
+"""The largest --tokens of a planned, compiled or checked layer (the
+activations of 2^20 K3 tokens alone are 15 GB in bfloat16)."""
 
 
 class UsageError(Exception):
@@ -48,6 +58,14 @@ def _int_at_least(text: str, minimum: int, what: str) -> int:
 
 def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
+
+
+def token_count(text: str) -> int:
+    """--tokens: 1..MAX_TOKENS."""
+    value = _int_at_least(text, 1, "a positive integer")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_TOKENS:,} tokens, got {value:,}")
+    return value
 
 
 def non_negative_int(text: str) -> int:
@@ -84,16 +102,42 @@ def check_backend(backend: str, platform: str) -> None:
 
 def report_errors(work: Callable[[], int], prog: str) -> int:
     """Run a sub-command's ``work``; a UsageError exits 2, a runtime error
-    (ValueError, OSError, RuntimeError) exits 1, each with one line on stderr
-    (a stalled or under-threaded interpret-mode kernel: its own message)."""
+    (ValueError, OSError, RuntimeError, MemoryError) exits 1, each with one
+    line on stderr (a stalled or under-threaded interpret-mode kernel: its
+    own message)."""
     try:
         return work()
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"{prog}: error: {interpret_compat.take_error_line() or e}", file=sys.stderr)
+    except MemoryError as e:
+        print(f"{prog}: error: out of memory{f': {e}' if str(e) else ''}", file=sys.stderr)
         return 1
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"{prog}: error: {interpret_compat.take_error_line() or one_line(e)}",
+              file=sys.stderr)
+        return 1
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (its first, or its type's name)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def warn(prog: str, text: str) -> None:
+    """One warning line on stderr."""
+    print(f"{prog}: warning: {text}", file=sys.stderr, flush=True)
+
+
+def warn_config_defaults(prog: str, where: str, defaults: dict, keys) -> None:
+    """The one warning line naming the absent config keys of ``keys`` and
+    the defaults used for them; nothing when none is absent."""
+    from k3jax.config import describe_defaults
+
+    absent = [k for k in keys if k in defaults]
+    if absent:
+        warn(prog, f"{where} has {describe_defaults(absent, defaults)}")
 
 
 def print_result(result: Any, as_json: bool, print_human: Callable[[Any], None]) -> int:
@@ -123,13 +167,22 @@ def layout_errors(parallel: ParallelConfig, *, what: str = "does not fit",
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[K3Config, str]:
-    """``--config F`` or ``--preset NAME`` (default k3) -> (config, where it came from)."""
+    """``--config F`` or ``--preset NAME`` (default k3) -> (config, where it
+    came from). A config file that cannot be read or holds bad values raises
+    ValueError / OSError (bad data, exit 1); one warning line names the keys
+    it lacks that set shapes or the math, and the defaults used."""
+    if args.config:
+        path = args.config
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--config {path}: a directory without a config.json")
+        cfg, defaults = read_hf_config(path)
+        warn_config_defaults(getattr(args, "prog", "k3jax"), f"--config {path}", defaults,
+                             (*TENSOR_KEYS, *MATH_KEYS))
+        return cfg, f"config {path}"
+    name = args.preset or "k3"
     try:
-        if args.config:
-            return from_hf_config(args.config), f"config {args.config}"
-        name = args.preset or "k3"
         return preset(name), f"preset {name}"
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise UsageError(str(e)) from None
 
 
@@ -149,8 +202,8 @@ def add_layer_flags(p: argparse.ArgumentParser, *, default_tokens: int, tokens_h
     add_parallel_flags(p)
     p.add_argument("--pad-under-ep", action="store_true",
                    help="reproduce vLLM's pre-fix behaviour: pad the MoE intermediate under EP")
-    p.add_argument("--tokens", type=positive_int, default=default_tokens,
-                   help=f"{tokens_help} (default {default_tokens})")
+    p.add_argument("--tokens", type=token_count, default=default_tokens,
+                   help=f"{tokens_help} (1..{MAX_TOKENS}; default {default_tokens})")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of every weight but the MXFP4 routed experts and the router bias, "
                         "and of the activations (default bfloat16)")
@@ -205,6 +258,35 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                         "(default: dp * tp)")
 
 
+def moe_only_flags(args: argparse.Namespace) -> list[str]:
+    """The given flags that only MoE layers read (the routed experts'
+    placement and how packed MXFP4 experts are held), each as given.
+    (``--expert-dtype`` is not one: the layout of a whole model with packed
+    MXFP4 experts is checked whichever layer is compiled.)"""
+    flags = ["--expert-parallel"] * bool(getattr(args, "expert_parallel", False))
+    flags += ["--pad-under-ep"] * bool(getattr(args, "pad_under_ep", False))
+    for name, default in (("ep_dispatch", EpDispatch.AUTO.value), ("mxfp4", "packed"),
+                          ("mxfp4_dequant", "fast")):
+        value = getattr(args, name, default)
+        if value != default:
+            flags.append(f"--{name.replace('_', '-')} {value}")
+    return flags
+
+
+def check_moe_only_flags(args: argparse.Namespace, cfg: K3Config, layers: list[int]) -> None:
+    """A UsageError naming the MoE-only flags given for dense ``layers``
+    only: they would change nothing."""
+    flags = moe_only_flags(args)
+    if not flags or any(cfg.is_moe_layer(i) for i in layers):
+        return
+    which = f"layer {layers[0]} is" if len(layers) == 1 else f"layers {layers[0]}..{layers[-1]} are"
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    hint = f" (MoE layers: {moe[0]}..{moe[-1]})" if moe else ""
+    raise UsageError(f"{' '.join(flags)}: {which} the dense MLP, with no routed experts; "
+                     f"{'this flag applies' if len(flags) == 1 else 'these flags apply'} to MoE "
+                     f"layers only{hint}")
+
+
 def layout_flags(parallel: ParallelConfig) -> str:
     """The layout flags that give ``parallel``, for error messages."""
     flags = [f"--dp {parallel.dp}", f"--tp {parallel.tp}"]
@@ -215,7 +297,13 @@ def layout_flags(parallel: ParallelConfig) -> str:
 
 
 def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> ParallelConfig:
+    """The ParallelConfig of the layout flags (``num_devices``: --devices,
+    or None); a UsageError naming the flags for an inconsistent set or a
+    mesh of more than MAX_MESH_DEVICES."""
     tp = args.tp
+    for flag, value in (("--tp", tp), ("--dp", args.dp), ("--nodes", args.nodes)):
+        if value is not None and value > MAX_MESH_DEVICES:
+            raise UsageError(f"{flag} {value}: a mesh holds at most {MAX_MESH_DEVICES:,} devices")
     if args.dp is not None:
         dp = args.dp
     elif num_devices is not None:
@@ -224,6 +312,9 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
         dp = num_devices // tp
     else:
         dp = 1
+    if dp * tp > MAX_MESH_DEVICES:
+        raise UsageError(f"--dp {dp} x --tp {tp} = {dp * tp:,} devices: a mesh holds at most "
+                         f"{MAX_MESH_DEVICES:,} devices")
     if num_devices is not None and dp * tp != num_devices:
         raise UsageError(f"--dp {dp} x --tp {tp} = {dp * tp} does not match --devices {num_devices}")
     nodes = args.nodes
@@ -274,11 +365,30 @@ def layer_parallel_from_args(args: argparse.Namespace) -> ParallelConfig:
         raise UsageError(str(e)) from None
 
 
-def request_devices(count: int) -> None:
+def device_flags(args: argparse.Namespace) -> str:
+    """The flags that set a command's device count, for error messages."""
+    if getattr(args, "devices", None):
+        return f"--devices {args.devices}"
+    dp, tp = getattr(args, "dp", None), getattr(args, "tp", 1)
+    return " x ".join([f"--dp {dp}"] * (dp is not None) + [f"--tp {tp}"])
+
+
+def check_device_count(count: int, flags: str) -> None:
+    """A UsageError naming ``flags`` (the flags that asked for ``count``
+    devices) when this process cannot simulate that many CPU devices
+    (k3jax.cli.machine); checked before any device starts."""
+    if why := device_count_problem(count):
+        raise UsageError(f"{flags}: {why}")
+
+
+def request_devices(count: int, flags: str | None = None) -> None:
     """Before JAX's backend starts: make ``count`` CPU devices available in
-    case the host has fewer accelerators. Never lowers a count already set
-    (in-process callers, tests), and a no-op once JAX's backend has started:
+    case the host has fewer accelerators, after ``check_device_count``
+    (``flags``: the flags that asked for them, for its error; default
+    "--devices COUNT"). Never lowers a count already set (in-process
+    callers, tests), and a no-op once JAX's backend has started:
     ``pick_devices`` then reports any shortfall."""
+    check_device_count(count, flags or f"--devices {count}")
     if jax.config.jax_num_cpu_devices >= count:
         return
     try:

@@ -12,6 +12,7 @@ import sys
 from k3jax.cli.common import (
     UsageError,
     add_layer_flags,
+    check_moe_only_flags,
     config_from_args,
     layer_parallel_from_args,
     layout_errors,
@@ -23,6 +24,8 @@ from k3jax.cli.common import (
 
 DEFAULT_TOKENS = 256
 DEFAULT_LAYER = 1
+MAX_DEVICES = 4096
+"""The most compile-only GPUs a layer is compiled for (512 nodes of 8)."""
 
 
 def add_parser(sub) -> None:
@@ -73,12 +76,9 @@ def _compile_triton(args: argparse.Namespace):
     """The layer's Triton kernels compiled for --compute-capability (k3jax.tools.compile_triton)."""
     from k3jax.tools.compile_triton import TritonCompileReport, compile_layer_triton
 
-    cfg, _ = config_from_args(args)
-    parallel = layer_parallel_from_args(args)
-    if args.layer >= cfg.num_hidden_layers:
-        raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
     if args.grads:
         raise UsageError("--grads compiles through XLA: use it with --backend xla or pallas")
+    cfg, parallel = _config_and_layout(args)
     capability = args.compute_capability or 90
     with layout_errors(parallel):
         kernels = compile_layer_triton(cfg, parallel, args.layer, tokens=args.tokens,
@@ -91,10 +91,7 @@ def _compile_triton(args: argparse.Namespace):
 def _compile(args: argparse.Namespace):
     if args.compute_capability is not None:
         raise UsageError("--compute-capability needs --backend triton")
-    cfg, _ = config_from_args(args)
-    parallel = layer_parallel_from_args(args)
-    if args.layer >= cfg.num_hidden_layers:
-        raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    cfg, parallel = _config_and_layout(args)
     if cfg.is_moe_layer(args.layer) and args.expert_dtype not in ("mxfp4", args.dtype):
         raise UsageError(f"--expert-dtype {args.expert_dtype} needs --dtype {args.expert_dtype} "
                          f"(float experts compile in the layer's dtype), or --expert-dtype mxfp4")
@@ -108,6 +105,27 @@ def _compile(args: argparse.Namespace):
                              f"{args.backend}: a kernel does not fit the H200's shared memory: "
                              f"{str(e).splitlines()[0]}") from None
         raise
+
+
+def _config_and_layout(args: argparse.Namespace):
+    """(config, ParallelConfig) of the flags, checked before anything
+    compiles: the layer in range, no MoE-only flag for the dense layer, at
+    most H200.gpus_per_node GPUs a node and MAX_DEVICES in all."""
+    from pallas_kernels.hardware import H200
+
+    parallel = layer_parallel_from_args(args)
+    per_node = parallel.num_devices // parallel.nodes
+    if per_node > H200.gpus_per_node:
+        raise UsageError(f"{layout_flags(parallel)}: {per_node} GPUs a node, and an H200 node "
+                         f"holds {H200.gpus_per_node} (spread them with --nodes)")
+    if parallel.num_devices > MAX_DEVICES:
+        raise UsageError(f"{layout_flags(parallel)}: {parallel.num_devices:,} GPUs; k3jax compile "
+                         f"targets at most {MAX_DEVICES:,}")
+    cfg, _ = config_from_args(args)
+    if args.layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
+    check_moe_only_flags(args, cfg, [args.layer])
+    return cfg, parallel
 
 
 def _compile_one(args: argparse.Namespace, cfg, parallel):

@@ -20,6 +20,10 @@ TARGET_RATIO = 1.05
 LABEL = "model prediction (k3jax.tools.layer_latency), not a measurement"
 DISPATCH_LABEL = "model prediction (k3jax.tools.dispatch_latency), not a measurement"
 GPUS_PER_NODE_DEFAULT_TP = 8        # --nodes alone: tp 8, dp = nodes (8 GPUs a node)
+MAX_TOKENS = 1 << 20
+"""The largest --tokens: the routed kernels' cost model holds per-row
+arrays (about 1 GB and 10 s at 2^20 tokens; int32 row counts overflow
+past 2^27)."""
 
 
 def add_parser(sub) -> None:
@@ -78,9 +82,13 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 
 def _latency(args: argparse.Namespace) -> int:
-    bad = [t for t in args.tokens if t < 1]
+    bad = [t for t in args.tokens if not 1 <= t <= MAX_TOKENS]
     if bad:
-        raise UsageError(f"--tokens {bad[0]}: the token count must be >= 1")
+        raise UsageError(f"--tokens {bad[0]}: the token count must be in 1..{MAX_TOKENS:,} (the "
+                         f"model's memory grows with it: about 1 GB at the top)")
+    for flag, values in (("--tp", args.tp), ("--dp", args.dp)):
+        if values and (bad := [v for v in values if v < 1]):
+            raise UsageError(f"{flag} {bad[0]}: expected a positive integer")
     if args.nodes is not None:
         return _dispatch(args)
     if args.routing_skew:
@@ -94,7 +102,11 @@ def _latency(args: argparse.Namespace) -> int:
         try:
             ll.check_layout(K3, tp, dp, min(args.tokens))
         except ValueError as e:
-            raise UsageError(f"--tp {tp} --dp {dp}: {e}") from None
+            raise UsageError(f"--tp {tp} --dp {dp}: {e}; the latency model covers K3 under "
+                             f"sequence + expert parallelism with the shared expert sharded "
+                             f"(the layout of k3jax plan --dp {dp} --tp {tp} --sequence-parallel "
+                             f"--expert-parallel --shard-shared-expert), not plain tensor "
+                             f"parallelism") from None
     result = run(K3, layouts, args.tokens, args.layer,
                  progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:

@@ -16,6 +16,8 @@ from k3jax.cli.common import (
     UsageError,
     add_device_flags,
     add_parallel_flags,
+    check_moe_only_flags,
+    device_flags,
     layout_errors,
     non_negative_float,
     non_negative_int,
@@ -25,6 +27,7 @@ from k3jax.cli.common import (
     report_errors,
     request_devices,
     require_devices,
+    warn_config_defaults,
 )
 
 RAW_BUFFER_BYTES = 64 << 20
@@ -71,7 +74,16 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 def _bench(args: argparse.Namespace, prog: str) -> int:
     parallel = parallel_from_args(args, args.devices)
-    request_devices(parallel.num_devices)
+    reader = _recording_reader(args.checkpoint)   # the config and headers: no device yet
+    cfg = reader.config
+    layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
+    if layer >= cfg.num_hidden_layers:
+        raise UsageError(f"--layer {layer} is out of range: {args.checkpoint} has "
+                         f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
+    check_moe_only_flags(args, cfg, [layer])
+    warn_config_defaults(prog, os.path.join(args.checkpoint, "config.json"),
+                         reader.math_defaults, list(reader.math_defaults))
+    request_devices(parallel.num_devices, device_flags(args))
 
     import jax
     from flax import nnx
@@ -82,12 +94,6 @@ def _bench(args: argparse.Namespace, prog: str) -> int:
     from k3jax.layout import make_mesh
 
     require_devices(parallel.num_devices)
-    reader = _recording_reader(args.checkpoint)
-    cfg = reader.config
-    layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
-    if layer >= cfg.num_hidden_layers:
-        raise UsageError(f"--layer {layer} is out of range: {args.checkpoint} has "
-                         f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
     mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
     on_host = ops_on_host(mesh)
 

@@ -7,6 +7,7 @@ import os
 import shutil
 
 from k3jax.cli.common import UsageError, non_negative_int, positive_int, report_errors
+from k3jax.cli.machine import memory_problem
 from k3jax.config import PRESETS, preset
 from k3jax.files import directory_problem
 
@@ -18,7 +19,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint",
                        description="Write a deterministic synthetic checkpoint (config.json + "
                                    "safetensors) in the HF layout of docs/spec.md §3.")
-    p.add_argument("directory", help="output directory (must not exist, or be empty)")
+    p.add_argument("directory", help="output directory (must not exist, or be empty; a symbolic "
+                                     "link is followed)")
     p.add_argument("--preset", choices=CHOICES, default="tiny",
                    help="a built-in config; k3 (the full-size shapes, ~1 TB of weights) needs "
                         "--num-experts")
@@ -49,11 +51,11 @@ def _make(args: argparse.Namespace) -> int:
         synthetic_tensor_count,
     )
 
-    if os.path.exists(args.directory) and (not os.path.isdir(args.directory)
-                                           or os.listdir(args.directory)):
-        raise UsageError(f"{args.directory} exists and is not an empty directory")
-    existing = os.path.dirname(os.path.abspath(args.directory))   # missing parents are made
+    target = _target(args.directory)
+    existing = os.path.dirname(os.path.abspath(target))   # missing parents are made
     while not os.path.isdir(existing):
+        if os.path.exists(existing):
+            raise UsageError(f"{args.directory}: {existing} is not a directory")
         existing = os.path.dirname(existing)
     if why := directory_problem(existing):
         raise UsageError(f"{args.directory}: {why}")
@@ -63,16 +65,30 @@ def _make(args: argparse.Namespace) -> int:
     if nbytes > free:
         raise UsageError(f"the checkpoint needs {nbytes / 1e9:.2f} GB, {existing} has "
                          f"{free / 1e9:.2f} GB free")
+    if why := memory_problem(nbytes, "the checkpoint (built in memory before it is written)"):
+        raise UsageError(why)
     count = synthetic_tensor_count(cfg, args.experts)
     if args.num_files > count:
         raise UsageError(f"--num-files {args.num_files}: the {args.preset} checkpoint has only "
                          f"{count} tensors")
-    make_synthetic_checkpoint(args.directory, cfg, args.seed, dtype=args.dtype,
+    make_synthetic_checkpoint(target, cfg, args.seed, dtype=args.dtype,
                               experts=args.experts, num_files=args.num_files)
     print(f"wrote {args.preset} checkpoint ({cfg.num_hidden_layers} layers, {cfg.num_experts} "
           f"routed experts, seed {args.seed}, {args.dtype}, experts {args.experts}, "
           f"{nbytes / 1e9:.2f} GB) to {args.directory}")
     return 0
+
+
+def _target(directory: str) -> str:
+    """The directory to write: ``directory``, or the final target of the
+    symbolic link it names (the link stays); it must be missing or empty."""
+    target = os.path.realpath(directory) if os.path.islink(directory) else directory
+    if os.path.islink(target):
+        raise UsageError(f"{directory} is a symbolic link loop")
+    via = f" (the target of the link {directory})" if target != directory else ""
+    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        raise UsageError(f"{target}{via} exists and is not an empty directory")
+    return target
 
 
 def _config(args: argparse.Namespace):

@@ -19,7 +19,6 @@ from k3jax.cli.common import (
     add_parallel_flags,
     atomic_save_npy,
     check_backend,
-    check_output,
     layout_errors,
     non_negative_int,
     parallel_from_args,
@@ -29,12 +28,16 @@ from k3jax.cli.common import (
     request_devices,
     require_devices,
 )
+from k3jax.cli.run_setup import (
+    DEFAULT_SEED,
+    check_flags,
+    check_layout,
+    layer_range,
+    open_run,
+)
 from k3jax.layout.parallel import NODE
 from k3jax.runtime import agreement, startup, supervision
 from pallas_kernels import interpret_compat
-
-DEFAULT_TOKENS = 7
-DEFAULT_SEED = 0
 
 
 def add_parser(sub) -> None:
@@ -81,7 +84,7 @@ def main(args: argparse.Namespace, prog: str) -> int:
     try:
         spec = _process_spec(args)
         if spec is not None:
-            _check_flags(args, spec)
+            check_flags(args, spec)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -93,7 +96,7 @@ def main(args: argparse.Namespace, prog: str) -> int:
 
 def worker_main(payload: dict) -> int:
     """One process of a multi-process run (the child that supervision.supervise starts)."""
-    prog = payload.pop("prog")
+    prog = payload["prog"]
     args = argparse.Namespace(**payload)
     args_spec = _process_spec(args)
     try:
@@ -101,6 +104,9 @@ def worker_main(payload: dict) -> int:
     except agreement.ProcessMismatchError as e:  # every process raises it: a normal exit
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+    except startup.DistributedError as e:        # joining failed: its own line
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        supervision.abandon(1)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         supervision.abandon(2)
@@ -117,125 +123,14 @@ def _process_spec(args: argparse.Namespace) -> startup.ProcessSpec | None:
         raise UsageError(str(e)) from None
 
 
-def _check_flags(args: argparse.Namespace, spec: startup.ProcessSpec | None) -> int:
-    """Validate the flags before any JAX set-up; return the devices this process simulates."""
-    num_devices = args.devices or ((args.dp or 1) * args.tp)
-    parallel_from_args(args, args.devices)
-    if spec is None or spec.is_leader:   # only process 0 writes the output
-        check_output(args.output, "--output")
-        check_output(args.grads, "--grads")
-    _check_grad_flags(args)
-    if spec is None:
-        return num_devices
-    if num_devices % spec.num_processes:
-        raise UsageError(f"--devices {num_devices} (the global count) is not divisible by "
-                         f"--num-processes {spec.num_processes}")
-    return num_devices // spec.num_processes
-
-
-def layer_range(text: str) -> tuple[int, int]:
-    """``A:B`` (0 <= A < B) for --layers."""
-    try:
-        a, b = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B (two integers), got {text!r}") from None
-    if not 0 <= a < b:
-        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, got {text!r}")
-    return a, b
-
-
-def _check_grad_flags(args: argparse.Namespace) -> None:
-    if args.layers is not None and args.layer is not None:
-        raise UsageError("--layer and --layers exclude each other")
-    if args.layers is not None and args.grads is not None and args.layers[1] - args.layers[0] > 1:
-        raise UsageError("--grads needs a single layer (--layer N or --layers N:N+1)")
-    if (args.grads is None) != (args.cotangent is None):
-        given, missing = (("--grads", "--cotangent DY.npy") if args.cotangent is None
-                          else ("--cotangent", "--grads OUT.safetensors"))
-        raise UsageError(f"{given} needs {missing}")
-    if args.grads is not None and args.output is not None and \
-            os.path.abspath(args.grads) == os.path.abspath(args.output):
-        raise UsageError(f"--grads and --output name the same file: {args.grads}")
-
-
-def _load_cotangent(path: str | None, shape: tuple[int, ...]) -> np.ndarray | None:
-    """The --cotangent array (float32, finite, the input's shape); problems are usage errors."""
-    if path is None:
-        return None
-    try:
-        dy = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--cotangent {path}: cannot read it: {e}") from None
-    if dy.shape != shape:
-        raise UsageError(f"--cotangent {path} must have the input's shape {list(shape)}, "
-                         f"got {list(dy.shape)}")
-    if dy.dtype != np.float32:
-        raise UsageError(f"--cotangent {path} must be float32, got {dy.dtype}")
-    if not np.all(np.isfinite(dy)):
-        raise UsageError(f"--cotangent {path} contains NaN or inf")
-    return dy
-
-
-def _open(args: argparse.Namespace, path: str):
-    """(reader, config, layer, input, cotangent or None) of the run; a
-    UsageError for --layer out of range or a bad --cotangent."""
-    from k3jax.checkpoint import CheckpointReader
-
-    reader = CheckpointReader(path)
-    cfg = reader.config
-    layer = args.layer if args.layer is not None else min(1, cfg.num_hidden_layers - 1)
-    what = args.checkpoint or "the tiny synthetic checkpoint"
-    if args.layers is not None:
-        layer, end = args.layers
-        if end > cfg.num_hidden_layers:
-            raise UsageError(f"--layers {layer}:{end} is out of range: {what} has "
-                             f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
-    if layer >= cfg.num_hidden_layers:
-        raise UsageError(f"--layer {layer} is out of range: {what} has {cfg.num_hidden_layers} "
-                         f"layers (0..{cfg.num_hidden_layers - 1})")
-    x = _load_input(args.input, cfg.hidden_size)
-    return reader, cfg, layer, x, _load_cotangent(args.cotangent, x.shape)
-
-
-def _load_input(path: str | None, hidden: int) -> np.ndarray:
-    if path is None:
-        rng = np.random.default_rng(DEFAULT_SEED + 1)
-        return rng.standard_normal((DEFAULT_TOKENS, hidden)).astype(np.float32)
-    try:
-        x = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read input {path}: {e}") from None
-    if x.ndim != 2 or x.shape[1] != hidden or x.shape[0] < 1:
-        raise ValueError(f"input {path} must be [T, {hidden}] with T >= 1, got {list(x.shape)}")
-    if x.dtype != np.float32:
-        raise ValueError(f"input {path} must be float32, got {x.dtype}")
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"input {path} contains NaN or inf")
-    return x
-
-
 def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> int:
-    local_devices = _check_flags(args, spec)
+    local_devices = check_flags(args, spec)
     parallel = parallel_from_args(args, args.devices)
-    request_devices(local_devices)
-    if args.backend == "interpret":
-        interpret_compat.reserve_pool_threads(local_devices)
-    if spec is not None:
-        startup.initialize(spec)
     leader = spec is None or spec.is_leader
     say = print if leader else (lambda *a, **k: None)
 
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    check_backend(args.backend, jax.default_backend())
-    require_devices(parallel.num_devices)
-
-    from k3jax.checkpoint import load_layers, make_synthetic_checkpoint
+    from k3jax.checkpoint import make_synthetic_checkpoint
     from k3jax.config import TINY
-    from k3jax.layout import make_mesh
-    from k3jax.tools.memory import format_bytes, param_shard_bytes
 
     with tempfile.TemporaryDirectory(prefix="k3jax-tiny-") as tmp:
         if args.checkpoint is None:
@@ -244,11 +139,28 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
             say(f"no --checkpoint: using the tiny synthetic K3-shaped checkpoint (seed {DEFAULT_SEED})")
         else:
             path = args.checkpoint
-        if spec is None:
-            reader, cfg, layer, x, dy = _open(args, path)
-        else:
-            reader, cfg, layer, x, dy = _agree(args, spec, parallel, path)
-        layers = list(range(*args.layers)) if args.layers is not None else [layer]
+        if spec is None:   # every check that needs no device, before any device starts
+            opened = open_run(args, path)
+            check_layout(args, opened, parallel)
+        request_devices(local_devices)
+        if args.backend == "interpret":
+            interpret_compat.reserve_pool_threads(local_devices)
+        if spec is not None:
+            startup.initialize(spec)
+
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from k3jax.checkpoint import load_layers
+        from k3jax.layout import make_mesh
+        from k3jax.tools.memory import format_bytes, param_shard_bytes
+
+        check_backend(args.backend, jax.default_backend())
+        require_devices(parallel.num_devices)
+        if spec is not None:
+            opened = _agree(args, spec, parallel, path)
+        reader, cfg, layer, layers, x, dy = opened
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             modules = load_layers(reader, layers, parallel, mesh, dtype=DTYPES[args.dtype],
@@ -378,7 +290,8 @@ def _agree(args: argparse.Namespace, spec: startup.ProcessSpec, parallel, path: 
           f"{jax.device_count()} {jax.default_backend()} devices here", flush=True)
     items, error, opened = None, None, None
     try:
-        opened = reader, cfg, layer, x, _ = _open(args, path)
+        opened = open_run(args, path, warn=spec.is_leader)
+        reader, cfg, layer, x = opened.reader, opened.cfg, opened.layer, opened.x
         config_json = json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()
         items = {"jax version": jax.__version__, "devices": str(parallel.num_devices),
                  "layout": parallel.describe(),
@@ -389,7 +302,7 @@ def _agree(args: argparse.Namespace, spec: startup.ProcessSpec, parallel, path: 
                  "config": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
                  "checkpoint files": reader.fingerprint(),
                  "input": agreement.fingerprint_array(x),
-                 "cotangent": "-" if opened[4] is None else agreement.fingerprint_array(opened[4])}
+                 "cotangent": "-" if opened.dy is None else agreement.fingerprint_array(opened.dy)}
     except (UsageError, ValueError, OSError) as e:
         error = str(e)
     agreement.check_agreement(spec, items, error)

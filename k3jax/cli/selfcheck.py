@@ -22,7 +22,9 @@ from k3jax.cli.common import (
     add_device_flags,
     add_layer_flags,
     check_backend,
+    check_moe_only_flags,
     config_from_args,
+    device_flags,
     layout_errors,
     non_negative_int,
     parallel_from_args,
@@ -31,6 +33,7 @@ from k3jax.cli.common import (
     request_devices,
     require_devices,
 )
+from k3jax.cli.machine import memory_problem
 from pallas_kernels import interpret_compat
 
 DEFAULT_TOKENS = 256
@@ -98,7 +101,10 @@ def layer_checks(args: argparse.Namespace, *, tune: bool):
             raise UsageError(str(e)) from None
     if args.layer >= cfg.num_hidden_layers:
         raise UsageError(f"--layer {args.layer}: the model has layers 0..{cfg.num_hidden_layers - 1}")
-    request_devices(parallel.num_devices)
+    check_moe_only_flags(args, cfg, [args.layer])
+    if why := memory_problem(args.tokens * cfg.hidden_size * 4, f"--tokens {args.tokens}"):
+        raise UsageError(why)
+    request_devices(parallel.num_devices, device_flags(args))
     if args.backend == "interpret":
         interpret_compat.reserve_pool_threads(1)
     import jax

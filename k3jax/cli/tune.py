@@ -18,9 +18,9 @@ def add_parser(sub) -> None:
                                    "fastest: later runs on this machine use it. Timings in "
                                    "interpret mode mean nothing.")
     add_flags(p)
-    p.add_argument("--export", metavar="TILES.py",
+    p.add_argument("--export", metavar="TILES.json",
                    help="write the tuned picks in the format of "
-                        "pallas_kernels/grouped_matmul/tile_table.py")
+                        "pallas_kernels/data/tile_table.json")
     p.set_defaults(main=main)
 
 

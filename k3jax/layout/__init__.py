@@ -3,9 +3,10 @@
     parallel               mesh axis roles (data, tensor, node), ParallelConfig,
                            SharedOverlap, EpDispatch, make_mesh
     placement              the shared-expert gate and the MLP placements
-    expert_storage         the routed experts' storage and the padding rule
+    expert_storage         the padding rule; the refusal of a format's split
     layout                 Layout and make_layout: specs, padded sizes, dispatch,
-                           overlap claim, backend, dtype; refuses what cannot run
+                           overlap claim, backend, expert format (resolved from
+                           k3jax.formats), dtype; refuses what cannot run
     shared_overlap_choice  the per-token-count picks of ``auto``, read from the
     ep_dispatch_choice     committed tables in k3jax/data/
 
@@ -13,7 +14,7 @@ The modules, the loader, the gradients and the tools read the Layout; none
 re-derives anything in it.
 """
 
-from k3jax.layout.expert_storage import ExpertStorage, Mxfp4ShardError, padded_moe_intermediate
+from k3jax.layout.expert_storage import ExpertShardError, padded_moe_intermediate
 from k3jax.layout.layout import Dispatch, EpDispatchError, Layout, MoEMode, make_layout
 from k3jax.layout.parallel import (
     DATA,
@@ -36,4 +37,16 @@ __all__ = ["NODE", "EpDispatch", "DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EX
            "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",
            "Layout", "make_layout", "mlp_layout", "padded_moe_intermediate", "make_mesh",
            "abstract_mesh", "padded_rows", "Dispatch", "check_mesh", "LayoutError",
-           "Mxfp4ShardError", "EpDispatchError", "ExpertStorage"]
+           "ExpertShardError", "EpDispatchError"]
+
+
+def __getattr__(name: str):
+    """Names that moved with the formats, still importable from here:
+    ExpertStorage (k3jax.formats) and the earlier names of ExpertShardError
+    (k3jax.formats.LAYOUT_ALIASES)."""
+    from k3jax import formats
+    if name == "ExpertStorage":
+        return formats.ExpertStorage
+    if formats.LAYOUT_ALIASES.get(name) == "ExpertShardError":
+        return ExpertShardError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

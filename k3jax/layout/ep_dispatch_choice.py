@@ -1,8 +1,8 @@
 """The ``auto`` way of moving routed rows under expert parallelism
-(EpDispatch.AUTO): a pure lookup in the committed table
-k3jax/layout/ep_dispatch_table.py (written by ``python -m
+(EpDispatch.AUTO): a pure lookup in the committed table, the data file
+k3jax/data/ep_dispatch_table.json (written by ``python -m
 scripts.write_dispatch_table`` from the dispatch latency model, a model's
-prediction; k3jax never imports analysis).
+prediction), read once, on the first lookup.
 
 ``pick(ep, nodes, tokens)`` -> one of FORMS (EpDispatch's values):
 
@@ -21,12 +21,29 @@ replaces a form its layout cannot run.
 from __future__ import annotations
 
 import bisect
-
-from k3jax.layout.ep_dispatch_table import TABLE
+import functools
+import importlib.resources
+import json
 
 FORMS = ("gather", "hierarchical", "all-to-all")
 FALLBACK_ONE_NODE = "gather"
 FALLBACK_MULTI_NODE = "hierarchical"
+TABLE_FILE = "ep_dispatch_table.json"
+"""The committed table's file name in k3jax's data folder."""
+
+
+def table_file():
+    """The committed table's file (an importlib.resources Traversable): the
+    package's data/ep_dispatch_table.json, in a checkout or an installed wheel."""
+    return importlib.resources.files("k3jax") / "data" / TABLE_FILE
+
+
+@functools.cache
+def table() -> dict[tuple[int, int], tuple[tuple[int, str], ...]]:
+    """The committed table: (ep, nodes) -> ((first token count, form), ...)."""
+    doc = json.loads(table_file().read_text(encoding="utf-8"))
+    return {(row["ep"], row["nodes"]): tuple((first, form) for first, form in row["picks"])
+            for row in doc["table"]}
 
 
 def _check(ep: int, nodes: int, tokens: int | None = None) -> None:
@@ -49,7 +66,7 @@ def pick(ep: int, nodes: int, tokens: int) -> str:
     ``nodes`` nodes (module docstring). ValueError on a value below 1 or
     ``nodes`` not dividing ``ep``."""
     _check(ep, nodes, tokens)
-    entries = TABLE.get((ep, nodes))
+    entries = table().get((ep, nodes))
     if entries is None:
         return fallback(nodes)
     firsts = [first for first, _ in entries]
@@ -61,14 +78,14 @@ def first_tokens(ep: int, nodes: int) -> tuple[int, ...]:
     entries' first token counts; (1,) for a layout the table does not hold):
     ``pick`` at each of them gives every form the table can choose there."""
     _check(ep, nodes)
-    entries = TABLE.get((ep, nodes))
+    entries = table().get((ep, nodes))
     return (1,) if entries is None else tuple(first for first, _ in entries)
 
 
 def tabulated() -> tuple[tuple[int, int], ...]:
     """The (ep, nodes) layouts the table holds (the rest get ``fallback``)."""
-    return tuple(sorted(TABLE))
+    return tuple(sorted(table()))
 
 
-__all__ = ["FALLBACK_MULTI_NODE", "FALLBACK_ONE_NODE", "FORMS", "fallback", "first_tokens",
-           "pick", "tabulated"]
+__all__ = ["FALLBACK_MULTI_NODE", "FALLBACK_ONE_NODE", "FORMS", "TABLE_FILE", "fallback",
+           "first_tokens", "pick", "table", "table_file", "tabulated"]

@@ -13,18 +13,12 @@ into the Layout:
               xla elsewhere; pallas_kernels.backend). A layout made without
               devices (no mesh, or an AbstractMesh: planning, abstract
               modules) resolves "auto" to "xla".
-    experts   ExpertStorage (k3jax.layout.expert_storage, with the padding rule);
-              make_layout raises Mxfp4ShardError when packed MXFP4 cannot be
-              split this way.
-    mxfp4_dequant  packed MXFP4 experts only (None otherwise): the in-kernel
-              dequantization their scale bytes allow (Mxfp4Dequant: FAST
-              when every stored byte is in 2..128, else EXACT), static for
-              the compiled program. The loader reads it off the checkpoint's
-              bytes (agreed by every process); random weights
-              (RandomSource) are FAST by construction; abstract ones
-              (planning, ``k3jax compile``) take what the caller states,
-              FAST by default, the case of real checkpoints.
-    dtype     the activations' and (non-MXFP4) weights' dtype.
+    experts   the routed experts' WeightFormat (k3jax.formats), resolved from
+              the caller's choice and bound to this layout (its static facts,
+              e.g. a packed format's dequant and K order, are in it); the
+              modules, the loader and the tools call its methods. make_layout
+              raises ExpertShardError when the format cannot be split this way.
+    dtype     the activations' and the float weights' dtype.
     ep_dispatch  under EP, how rows reach the experts (EpDispatch: one
               gather, a gather staged over NODE then inside the node, or
               the dropless ragged all-to-all); AUTO until ``for_tokens``.
@@ -74,12 +68,9 @@ from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
+from k3jax.formats import ExpertLayout, ExpertStorage, WeightFormat, get_format
 from k3jax.layout import ep_dispatch_choice, shared_overlap_choice
-from k3jax.layout.expert_storage import (
-    ExpertStorage,
-    check_mxfp4_shards,
-    padded_moe_intermediate,
-)
+from k3jax.layout.expert_storage import ExpertShardError, padded_moe_intermediate
 from k3jax.layout.parallel import (
     NODE,
     TENSOR,
@@ -89,8 +80,7 @@ from k3jax.layout.parallel import (
     check_mesh,
 )
 from k3jax.layout.placement import LayoutError, MlpLayout, MlpMode, mlp_layout
-from pallas_kernels.backend import Backend, ResolvedBackend, resolve_backend
-from pallas_kernels.mxfp4 import K_ORDER_CHUNK, Mxfp4Dequant
+from pallas_kernels.backend import XLA, Backend, BackendName, KernelBackend, parse_backend, resolve
 
 
 class EpDispatchError(LayoutError):
@@ -140,10 +130,9 @@ class Layout:
     moe_mode: MoEMode
     expert_shards: int          # devices splitting one expert's intermediate
     padded_moe_intermediate: int
-    backend: ResolvedBackend    # the kernels' backend, resolved from the mesh's devices
-    experts: ExpertStorage      # how the routed experts live in device memory
-    mxfp4_dequant: Mxfp4Dequant | None   # packed experts' in-kernel dequant; None unless packed
-    dtype: jnp.dtype            # activations and non-MXFP4 weights
+    backend: KernelBackend      # the kernels' backend, resolved from the mesh's devices
+    experts: WeightFormat       # the routed experts' format, bound to this layout
+    dtype: jnp.dtype            # activations and float weights
     ep_dispatch: EpDispatch     # under EP: how rows reach the experts (AUTO until for_tokens)
     ragged_emulated: bool       # ragged all-to-all as its CPU emulation (CPU devices)
 
@@ -177,16 +166,14 @@ class Layout:
         return self.cfg.num_experts // (self.parallel.ep)
 
     @property
-    def mxfp4_k_order(self) -> bool:
-        """Whether the packed experts run in the Mosaic kernels' K order
-        (pallas_kernels.mxfp4.k_order): w1 / w3 with k_order_axis 2, w2 with
-        1, so h comes out of the gate/up in the order the down projection's
-        kernel takes, with no transposed copy of h. The Mosaic backends
-        (pallas, interpret) with each shard's F a multiple of 128; the
-        product is the same on every path."""
-        local_f = self.padded_moe_intermediate // self.expert_shards
-        return (self.experts.packed and self.backend in ("pallas", "interpret")
-                and local_f % K_ORDER_CHUNK == 0)
+    def expert_layout(self) -> ExpertLayout:
+        """What the expert format reads of this layout: sizes, padding,
+        the dense weights' specs, dtype and backend."""
+        cfg = self.cfg
+        return ExpertLayout(cfg.num_experts, cfg.routed_expert_hidden_size,
+                            cfg.moe_intermediate_size, self.padded_moe_intermediate,
+                            self.expert_shards, (self.w13_ELF, self.w13_ELF, self.w2_EFL),
+                            self.dtype, self.backend)
 
     @property
     def w13_ELF(self) -> P:
@@ -380,31 +367,31 @@ class Layout:
                  + (" (emulated: XLA:CPU has no ragged all-to-all)"
                     if self.ep_dispatch is EpDispatch.ALL_TO_ALL and self.ragged_emulated else ""),
                  f"shared expert may overlap routed work: {self.shared_overlaps_routed}"]
-        if self.mxfp4_dequant is not None:
-            lines.append(f"MXFP4 experts' dequant: {self.mxfp4_dequant.value}")
+        if (line := self.experts.describe()) is not None:
+            lines.append(line)
         return "\n".join(lines)
 
 
 def make_layout(cfg: K3Config, parallel: ParallelConfig,
                 mesh: Mesh | AbstractMesh | None = None, *, backend: Backend = "auto",
-                experts: ExpertStorage = ExpertStorage.DENSE, dtype=jnp.float32,
-                mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> Layout:
+                experts: str | ExpertStorage | WeightFormat = ExpertStorage.DENSE,
+                dtype=jnp.float32) -> Layout:
     """Decide every placement and build choice of one K3 layer on a (dp, tp)
     mesh, with clear errors for what the mesh cannot hold.
 
     ``mesh`` (the one the modules will run on) must be the mesh ``parallel``
     describes; its devices resolve ``backend`` once (without devices, "auto"
-    is "xla"). Raises LayoutError when a size does not split over the mesh,
-    and Mxfp4ShardError when packed MXFP4 experts (``experts`` MXFP4, a model
-    with MoE layers) would cut a 32-wide scale block."""
-    if not isinstance(experts, ExpertStorage):
-        raise ValueError(f"make_layout: experts must be an ExpertStorage, got {experts!r}")
-    if not isinstance(mxfp4_dequant, Mxfp4Dequant):
-        raise ValueError(f"make_layout: mxfp4_dequant must be an Mxfp4Dequant, got {mxfp4_dequant!r}")
+    is "xla"). ``experts``: a registered format's name, an ExpertStorage
+    member or a WeightFormat (k3jax.formats; e.g. a packed format stating
+    its dequant), held bound to the layout. Raises LayoutError when a size
+    does not split over the mesh, and ExpertShardError when the format (of
+    a model with MoE layers) refuses the split."""
+    fmt = get_format(experts)
     if mesh is not None:
         check_mesh(mesh, parallel, "make_layout")
     devices = list(mesh.devices.flat) if isinstance(mesh, Mesh) else None
-    resolved = resolve_backend(backend, devices) if devices or backend != "auto" else "xla"
+    auto = parse_backend(backend) is BackendName.AUTO
+    resolved = XLA if auto and not devices else resolve(backend, devices)
     if parallel.expert_parallel:
         moe_mode = MoEMode.EP
         if cfg.num_experts % parallel.ep:
@@ -420,21 +407,19 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig,
         shards = padding_shards = 1
     padded = padded_moe_intermediate(cfg.moe_intermediate_size, padding_shards,
                                      cfg.min_moe_intermediate_per_partition)
-    if experts.packed and cfg.num_moe_layers:
-        check_mxfp4_shards(cfg, shards, padded)
     layout = Layout(cfg=cfg, parallel=parallel,
                     dense_mlp=mlp_layout(parallel, cfg.hidden_size, cfg.intermediate_size,
                                          layer_kind="dense"),
                     shared_mlp=mlp_layout(parallel, cfg.hidden_size,
                                           cfg.shared_intermediate_size, layer_kind="moe"),
                     moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
-                    backend=resolved, experts=experts,
-                    mxfp4_dequant=mxfp4_dequant if experts.packed else None,
-                    dtype=jnp.dtype(dtype),
+                    backend=resolved, experts=fmt, dtype=jnp.dtype(dtype),
                     ep_dispatch=parallel.ep_dispatch,
                     ragged_emulated=bool(devices) and devices[0].platform == "cpu")
+    if cfg.num_moe_layers and (why := fmt.split_refusal(layout.expert_layout)):
+        raise ExpertShardError(why)
     _check_ep_dispatch(layout)
-    return layout
+    return dataclasses.replace(layout, experts=fmt.bind(layout.expert_layout))
 
 
 def _all_to_all_refusal(layout: Layout, shared: MlpLayout) -> str | None:

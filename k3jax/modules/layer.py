@@ -22,7 +22,7 @@ def layer_decls(layout: Layout, layer: int) -> list[ParamDecl]:
 def build_layer(layout: Layout, layer: int, mesh: Mesh | AbstractMesh, *,
                 source: ParamSource) -> KimiMLP | KimiMoE:
     """Layer ``layer``'s block: KimiMoE for MoE layers, else the dense KimiMLP.
-    Dtype, backend and (MoE layers) expert storage are the Layout's."""
+    Dtype, backend and (MoE layers) expert format are the Layout's."""
     if layout.cfg.is_moe_layer(layer):
         return KimiMoE(layout, mesh, source=source)
     return KimiMLP(layout, layout.dense_mlp, mesh, source=source)

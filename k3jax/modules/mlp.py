@@ -22,7 +22,7 @@ from k3jax.ops import SiTU, situ_mlp
 from k3jax.ops.matmul import matmul
 from k3jax.parallel.ring import ring_sp_mlp
 from k3jax.parallel.sequence import gather_rows, row_sharded_forward, scatter_rows
-from pallas_kernels.backend import ResolvedBackend
+from pallas_kernels.backend import KernelBackend
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
 MlpWeights = dict[str, jax.Array]   # {"gate_DF", "up_DF", "down_FD"}
@@ -41,18 +41,18 @@ def mlp_decls(layout: MlpLayout, dtype, prefix: str = "") -> list[ParamDecl]:
 # weights are this device's shards: gate_DF, up_DF [D, F/s], down_FD [F/s, D],
 # s = 1 (REPLICATED) or tp (SP_SHARDED, TP). Each returns y_TD [T, D] in x's dtype
 # (mlp_tp_partial: the unreduced float32 partial sum).
-def mlp_replicated_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_replicated_local(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend):
     """Full weights, own rows, no collective."""
     return situ_mlp(x_TD, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend)
 
 
-def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_tp_partial(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend):
     """This F shard's float32 partial sum [T, D] of the rows given (unreduced)."""
     return situ_mlp(x_TD, w["gate_DF"], w["up_DF"], w["down_FD"], act, backend=backend,
                     out_dtype=jnp.float32)
 
 
-def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend,
+def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend,
                          scatter_dtype=jnp.float32):
     """Rows split over TENSOR: all-gather them ([T * tp, D]) -> float32 partial
     MLP on this F shard -> reduce-scatter over TENSOR in ``scatter_dtype``
@@ -64,7 +64,7 @@ def mlp_sp_sharded_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBacken
     return scatter_rows(partial.astype(scatter_dtype), TENSOR).astype(x_TD.dtype)
 
 
-def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend,
+def mlp_sp_ring_local(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend,
                       scatter_dtype=jnp.float32):
     """As mlp_sp_sharded_local, overlapped (SharedOverlap.RING): the input
     rows travel the tensor-axis ring block by block (tp - 1 ppermutes of
@@ -107,7 +107,7 @@ def gather_mlp_weights(w: MlpWeights) -> MlpWeights:
     return {"gate_DF": gate_DF, "up_DF": up_DF, "down_FD": gather_down(w["down_FD"])}
 
 
-def mlp_sp_weights_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_sp_weights_local(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend):
     """Rows split over TENSOR, weights moved instead (SharedOverlap.WEIGHTS):
     gather_mlp_weights, then mlp_replicated_local on own rows; the gathered
     copy is a temporary of this call. Same arithmetic as the replicated
@@ -115,7 +115,7 @@ def mlp_sp_weights_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBacken
     return mlp_replicated_local(x_TD, gather_mlp_weights(w), act, backend)
 
 
-def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: ResolvedBackend):
+def mlp_tp_local(x_TD, w: MlpWeights, act: SiTU, backend: KernelBackend):
     """Rows replicated over TENSOR: column-parallel gate/up, row-parallel down,
     float32 all-reduce over TENSOR, cast to x's dtype."""
     return jax.lax.psum(mlp_tp_partial(x_TD, w, act, backend), TENSOR).astype(x_TD.dtype)
@@ -180,7 +180,7 @@ class KimiMLP(nnx.Module):
 
 
 @functools.lru_cache(maxsize=64)
-def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: ResolvedBackend):
+def mlp_forward(layout: MlpLayout, act: SiTU, mesh: Mesh, dtype, backend: KernelBackend):
     """The jitted global forward (x_TD, weights) -> y_TD of one MLP layout
     (``row_sharded_forward`` around the layout's body). Cached, so eager
     calls compile once per shape."""

@@ -5,22 +5,17 @@
 
 Parameters (global shapes, F = the padded MoE intermediate):
     router_DE [D, E], router_bias_E [E] float32, lat_down_DL [D, L],
-    lat_norm_L [L], lat_up_LD [L, D], w1_ELF / w3_ELF [E, L, F], w2_EFL [E, F, L],
+    lat_norm_L [L], lat_up_LD [L, D], the routed experts w1 / w3 [E, L, F] and
+    w2 [E, F, L] in the Layout's format,
     shared.{gate_DF, up_DF, down_FD} (a KimiMLP of width I x num_shared_experts).
 
-Routed experts are stored either dense (``ExpertStorage.DENSE``: the three
-arrays above in the module dtype) or packed (``ExpertStorage.MXFP4``: for each
-of w1/w3/w2 a uint8 code array packed along its input axis, held in the
-checkpoint's [out, in] orientation (w1_packed_EFL / w3_packed_EFL [E, F, L/2],
-w2_packed_ELF [E, L, F/2]: the stored bytes in Mxfp4Weights' word layout,
-which the loader interleaves on the device), and
-a UE8M0 scale array along the same input axis in the [in, out] orientation
-(w1_scale_ELF / w3_scale_ELF [E, L/32, F], w2_scale_EFL [E, F/32, L]); 0.53125 B
-per parameter in device memory; the grouped matmuls take them packed as
-``Mxfp4Weights``, with the static dequant ``Layout.mxfp4_dequant`` states,
-and dequantize one active expert at a time). Packed
-experts are frozen: gradients (k3jax.grads) flow through their dequantized
-values to the input and the other weights, never to the uint8 codes/scales.
+The routed experts' parameters are the ones ``layout.experts`` (a
+WeightFormat, k3jax/formats/) declares: w1_ELF / w3_ELF / w2_EFL in the module
+dtype for dense experts, or a packed format's own arrays (codes and scales),
+which it hands the grouped matmuls as the weight objects they take
+(``expert_weights``). A packed format's integer arrays are frozen: gradients
+(k3jax.grads) flow through their dequantized values to the input and the
+other weights, never to them.
 
 Two per-device bodies run inside ``jax.shard_map``, picked by ``Layout.dispatch``:
     moe_rows_local   Dispatch.OWN_ROWS: each device routes its own rows; rows
@@ -46,14 +41,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
-from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
 from k3jax.layout import (
     TENSOR,
     Dispatch,
     EpDispatch,
-    ExpertStorage,
     Layout,
     MlpMode,
     MoEMode,
@@ -67,7 +60,7 @@ from k3jax.modules.mlp import (
     mlp_local,
     mlp_tp_partial,
 )
-from k3jax.modules.params import Init, Padding, ParamDecl, ParamSource, make_params
+from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
 from k3jax.ops import SiTU, rms_norm, route
 from k3jax.ops.experts import (
     ExpertWeight,
@@ -79,16 +72,7 @@ from k3jax.ops.experts import (
 from k3jax.ops.matmul import matmul
 from k3jax.parallel.ep_exchange import all_to_all_routed, gather_staged, scatter_staged
 from k3jax.parallel.sequence import row_sharded_forward
-from pallas_kernels.mxfp4 import BLOCK_SIZE, Mxfp4Dequant, Mxfp4Weights
 from pallas_kernels.situ_mlp.api import situ_mlp_up
-
-DENSE_EXPERT_PARAMS = ("w1_ELF", "w3_ELF", "w2_EFL")
-# (codes, scales) per weight: codes [E, out, in/2] as stored, scales [E, in/32, out]
-MXFP4_PARAM_NAMES = {w: (f"{w}_packed_{packed}", f"{w}_scale_{scale}")
-                     for w, packed, scale in (("w1", "EFL", "ELF"), ("w3", "EFL", "ELF"),
-                                              ("w2", "ELF", "EFL"))}
-MXFP4_EXPERT_PARAMS = tuple(name for names in MXFP4_PARAM_NAMES.values() for name in names)
-
 
 SHARED_PREFIX = "shared."  # parameter-name prefix of the shared expert inside KimiMoE
 # jax.named_scope of the two branches: compiled ops' op_name metadata carries
@@ -98,7 +82,8 @@ SHARED_SCOPE, ROUTED_SCOPE = "shared_expert", "routed_experts"
 
 def moe_decls(layout: Layout) -> list[ParamDecl]:
     """The MoE's own parameters (the shared expert declares its own), in the
-    Layout's dtype and expert storage."""
+    Layout's dtype; the routed experts' are its format's
+    (WeightFormat.param_decls)."""
     cfg, dtype = layout.cfg, layout.dtype
     D, L, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
     specs = layout.moe_param_specs()
@@ -108,81 +93,16 @@ def moe_decls(layout: Layout) -> list[ParamDecl]:
              ParamDecl("lat_up_LD", (L, D), dtype, specs["lat_up_LD"], Init.WEIGHT, L)]
     if cfg.latent_moe_use_norm:
         decls.append(ParamDecl("lat_norm_L", (L,), dtype, specs["lat_norm_L"], Init.NORM))
-    if layout.experts.packed:
-        return decls + _mxfp4_expert_decls(layout)
-    return decls + _dense_expert_decls(layout, dtype)
+    return decls + layout.experts.param_decls(layout.expert_layout)
 
 
-def _dense_expert_decls(layout: Layout, dtype) -> list[ParamDecl]:
-    cfg = layout.cfg
-    L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    F = layout.padded_moe_intermediate
-    specs = layout.moe_param_specs()
-    pad = (lambda axis: Padding(axis, layout.expert_shards, I)) if F != I else (lambda axis: None)
-    return [ParamDecl("w1_ELF", (E, L, F), dtype, specs["w1_ELF"], Init.WEIGHT, L, pad(2)),
-            ParamDecl("w3_ELF", (E, L, F), dtype, specs["w3_ELF"], Init.WEIGHT, L, pad(2)),
-            ParamDecl("w2_EFL", (E, F, L), dtype, specs["w2_EFL"], Init.WEIGHT, I, pad(1))]
-
-
-def _mxfp4_expert_decls(layout: Layout) -> list[ParamDecl]:
-    """Packed codes (2 per byte) and scales (1 per 32) along each weight's
-    input axis (L for w1/w3, F for w2). The codes keep the checkpoint's
-    [out, in/2] per expert (w1/w3 [E, F, L/2], w2 [E, L, F/2]): their spec is
-    the weight's with its last two entries swapped, and F's padding moves
-    with F. The scales are [in/32, out] per expert, like the weight
-    (w1/w3 [E, L/32, F], w2 [E, F/32, L]). make_layout has checked that every
-    shard holds whole 32-wide scale blocks."""
-    cfg = layout.cfg
-    L, E, I = cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    F, shards = layout.padded_moe_intermediate, layout.expert_shards
-    specs = layout.moe_param_specs()
-    u8 = jnp.dtype(jnp.uint8)
-    pad = (lambda axis, real: Padding(axis, shards, real)) if F != I else (lambda axis, real: None)
-    decls = []
-    for w in ("w1", "w3"):   # F is the output axis
-        packed, scale = MXFP4_PARAM_NAMES[w]
-        spec = specs[f"{w}_ELF"]
-        decls += [ParamDecl(packed, (E, F, L // 2), u8, _swap_last(spec, 3), Init.MXFP4_CODES, L,
-                            pad(1, I)),
-                  ParamDecl(scale, (E, L // BLOCK_SIZE, F), u8, spec, Init.MXFP4_SCALES, L,
-                            pad(2, I))]
-    packed, scale = MXFP4_PARAM_NAMES["w2"]   # F is the (packed) input axis
-    spec = specs["w2_EFL"]
-    decls += [ParamDecl(packed, (E, L, F // 2), u8, _swap_last(spec, 3), Init.MXFP4_CODES, I,
-                        pad(2, I // 2)),
-              ParamDecl(scale, (E, F // BLOCK_SIZE, L), u8, spec, Init.MXFP4_SCALES, I,
-                        pad(1, I // BLOCK_SIZE))]
-    return decls
-
-
-def _swap_last(spec: P, ndim: int) -> P:
-    """The PartitionSpec of an ``ndim``-D array's transpose in its last two
-    axes (P() stays P(): replicated either way)."""
-    if not len(spec):
-        return spec
-    entries = list(spec) + [None] * (ndim - len(spec))
-    entries[-2:] = entries[-2:][::-1]
-    return P(*entries)
-
-
-def expert_weights(p: dict, experts: ExpertStorage, dequant: Mxfp4Dequant | None,
-                   k_order: bool = False) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
-    """(w1_ELF, w3_ELF, w2_EFL) from this device's expert shards ``p``: the
-    arrays as stored (DENSE, MXFP4_DEQUANT; ``dequant`` None), or
-    Mxfp4Weights of the packed codes [E, out, in/2] and scales [E, in/32,
-    out] with the static ``dequant`` their scale bytes allow
-    (Layout.mxfp4_dequant; MXFP4: the grouped matmuls dequantize them, one
-    active expert at a time, to the activations' dtype). ``k_order``
-    (Layout.mxfp4_k_order): w1 / w3 with k_order_axis 2 and w2 with 1, the
-    same products with h in the Mosaic kernels' K order between them."""
-    if (dequant is not None) is not experts.packed:
-        raise ValueError(f"expert_weights: {experts} experts take dequant "
-                         f"{'an Mxfp4Dequant' if experts.packed else 'None'}, got {dequant!r}")
-    if not experts.packed:
-        return p["w1_ELF"], p["w3_ELF"], p["w2_EFL"]
-    axes = {"w1": 2, "w3": 2, "w2": 1} if k_order else {}
-    return tuple(Mxfp4Weights(p[MXFP4_PARAM_NAMES[w][0]], p[MXFP4_PARAM_NAMES[w][1]], dequant,
-                              axes.get(w)) for w in ("w1", "w3", "w2"))
+def expert_weights(p: dict, layout: Layout) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+    """(w1 [E, L, F], w3 [E, L, F], w2 [E, F, L]) from this device's expert
+    shards ``p`` (E the local experts, F this shard's), as the grouped
+    matmuls take them: whatever the layout's format hands them
+    (WeightFormat.kernel_weights: the arrays as stored, or a packed format's
+    weight objects, dequantized inside the matmuls to the activations' dtype)."""
+    return layout.experts.kernel_weights(p, layout.dtype)
 
 
 # -- per-device bodies (inside shard_map) --------------------------------------
@@ -228,7 +148,7 @@ def _routed_partial(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     from ``first_expert``), unreduced over ``layout.dispatch_axes`` (n their
     size, 1 without): lat/ids/weights are all-gathered over them first."""
     lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
+    experts = expert_weights(p, layout)
     return routed_experts(lat_TL, ids_TK, w_TK, *experts, act,
                           first_expert=_first_expert(layout), backend=layout.backend)
 
@@ -242,7 +162,7 @@ def _own_rows_latent(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
     between, inside = layout.exchange_axes
     par = layout.parallel
     lat_TL, ids_TK, w_TK = _route_own(x_TD, valid_T, p, layout)
-    experts = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
+    experts = expert_weights(p, layout)
     return all_to_all_routed(lat_TL, ids_TK, w_TK, *experts, act,
                              between=between, inside=inside, nodes=par.nodes,
                              devices_per_node=par.ep // par.nodes,
@@ -307,7 +227,7 @@ def shared_weights_local(x_TD, valid_T, p, *, layout: Layout, act: SiTU):
         gate_DF, up_DF = gather_gate_up(w)
     with jax.named_scope(ROUTED_SCOPE):
         lat_TL, ids_TK, w_TK = _dispatch(x_TD, valid_T, p, layout)
-        w1, w3, w2 = expert_weights(p, layout.experts, layout.mxfp4_dequant, layout.mxfp4_k_order)
+        w1, w3, w2 = expert_weights(p, layout)
         pairs = sort_pairs(ids_TK, w_TK, layout.local_experts, _first_expert(layout))
         h_PF = experts_up(lat_TL, pairs, w1, w3, act, layout.backend)
         h_PF, weights_P, x_shared_TD, gate_DF, up_DF, down_shard_FD = jax.lax.optimization_barrier(
@@ -357,7 +277,7 @@ class KimiMoE(nnx.Module):
     """One K3 MoE layer. ``__call__``: x_TD [T, D] (all rows, any T) -> y_TD
     [T, D]. Rows are computed split over ``layout.token_axes``; the output is
     placed that way when T is a multiple of the row blocks, else XLA chooses.
-    Dtype, backend and expert storage are the Layout's (``self.dtype``,
+    Dtype, backend and expert format are the Layout's (``self.dtype``,
     ``self.backend``, ``self.experts`` repeat them). ``mesh`` must be the
     (dp, tp) mesh of ``layout.parallel``."""
 

@@ -1,16 +1,17 @@
 """How a module declares its parameters, and the sources that fill them.
 
 A module lists ``ParamDecl`` values (global shape, dtype, PartitionSpec,
-padding). A ``ParamSource`` turns one declaration into an array placed with
-its NamedSharding: random values (``RandomSource``), abstract shapes for the
-planner (``AbstractSource``), or checkpoint slices (k3jax.checkpoint).
+padding, random init; k3jax.formats.decl, re-exported here: the expert
+formats declare with them too). A ``ParamSource`` turns one declaration
+into an array placed with its NamedSharding: random values
+(``RandomSource``), abstract shapes for the planner (``AbstractSource``),
+or checkpoint slices (k3jax.checkpoint).
 Construction therefore has one path, whatever fills the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 from typing import Protocol
@@ -20,52 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-
-class Init(enum.Enum):
-    """What random values suit a parameter."""
-
-    WEIGHT = "weight"              # normal / sqrt(fan_in)
-    NORM = "norm"                  # 1 + 0.1 * normal
-    BIAS = "bias"                  # 0.05 * normal
-    MXFP4_CODES = "mxfp4-codes"    # uniform random bytes (two E2M1 codes each)
-    MXFP4_SCALES = "mxfp4-scales"  # UE8M0 bytes giving values of about 1 / sqrt(fan_in)
-
-
-@dataclasses.dataclass(frozen=True)
-class Padding:
-    """``blocks`` equal blocks along ``axis``; each holds ``real // blocks``
-    real entries at its front and zeros after them (docs/spec.md §5)."""
-
-    axis: int
-    blocks: int
-    real: int
-
-    def __post_init__(self) -> None:
-        if self.real % self.blocks:
-            raise ValueError(f"Padding: {self.real} real entries do not split into "
-                             f"{self.blocks} equal blocks (axis {self.axis})")
-
-    def source_index(self, padded_index: int, size: int) -> int | None:
-        """Index into the unpadded tensor for a padded index, None for padding."""
-        block = size // self.blocks
-        shard, offset = divmod(padded_index, block)
-        per_shard = self.real // self.blocks
-        return shard * per_shard + offset if offset < per_shard else None
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamDecl:
-    """One parameter: ``name`` is its path in the module ("shared.gate_DF")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: jnp.dtype
-    spec: P
-    init: Init = Init.WEIGHT
-    fan_in: int = 1
-    padding: Padding | None = None
+from k3jax.formats.decl import Init, Padding, ParamDecl
 
 
 class ParamSource(Protocol):
@@ -119,11 +76,8 @@ def _random_values(key, decl: ParamDecl):
 
 
 def _random_unpadded(key, decl: ParamDecl, shape: tuple[int, ...]) -> jax.Array:
-    if decl.init is Init.MXFP4_CODES:
-        return jax.random.randint(key, shape, 0, 256, jnp.int32)
-    if decl.init is Init.MXFP4_SCALES:
-        centre = 127 - 2 - round(0.5 * math.log2(decl.fan_in))   # E2M1 magnitudes reach 6
-        return jax.random.randint(key, shape, centre - 1, centre + 2, jnp.int32)
+    if not isinstance(decl.init, Init):   # a format's own values (formats.decl.RandomInit)
+        return decl.init(key, shape, decl.fan_in)
     z = jax.random.normal(key, shape, jnp.float32)
     if decl.init is Init.WEIGHT:
         return z / math.sqrt(decl.fan_in)
@@ -142,3 +96,7 @@ def make_params(module: nnx.Module, decls: list[ParamDecl], mesh: Mesh | Abstrac
             raise ValueError(f"parameter {decl.name}: source gave {value.dtype}{list(value.shape)}, "
                              f"expected {jnp.dtype(decl.dtype)}{list(decl.shape)}")
         setattr(module, decl.name.rsplit(".", 1)[-1], nnx.Param(value))
+
+
+__all__ = ["AbstractSource", "Init", "Padding", "ParamDecl", "ParamSource", "RandomSource",
+           "make_params"]

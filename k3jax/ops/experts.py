@@ -3,19 +3,28 @@ grouped matmuls (the first with SiTU-GLU fused), weight, and scatter-add back.""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.ops.activation import SiTU
-from pallas_kernels.backend import Backend
+from pallas_kernels.backend import Backend, Family, resolve
 from pallas_kernels.grouped_matmul.api import grouped_situ_glu
 from pallas_kernels.grouped_matmul.combine import grouped_matmul_combine
-from pallas_kernels.mxfp4 import Mxfp4Weights
 from pallas_kernels.vma import varying_like_inputs
 
-ExpertWeight = jax.Array | Mxfp4Weights
+
+class ExpertWeight(Protocol):
+    """One routed-expert weight of logical shape [E, K, N] as the grouped
+    matmuls take it: an array, or the weight object (a pytree) a packed
+    format hands them (k3jax/formats/: WeightFormat.kernel_weights)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def ndim(self) -> int: ...
 
 
 class ExpertPairs(NamedTuple):
@@ -42,9 +51,9 @@ def routed_experts(lat_TL: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array,
     held here, which are global ids [first_expert, first_expert + E_local).
 
     lat_TL [T, L]; ids_TK, weights_TK [T, K]; w1_ELF, w3_ELF [E_local, L, F];
-    w2_EFL [E_local, F, L]; each either an array or Mxfp4Weights (packed along
-    its input axis L / F; dequantized inside the grouped matmuls to lat's
-    dtype, one active expert at a time). Pairs whose expert is not held here (another
+    w2_EFL [E_local, F, L]; each an array or a packed format's weight object
+    (ExpertWeight; dequantized inside the grouped matmuls to lat's dtype, one
+    active expert at a time). Pairs whose expert is not held here (another
     device's, or the out-of-range id of a padding row) contribute nothing.
     Returns the float32 partial sum [T, L] (partial over experts under EP and
     over F under TP; the caller reduces it).
@@ -87,7 +96,8 @@ def experts_up(lat_TL: jax.Array, pairs: ExpertPairs, w1_ELF: ExpertWeight,
     def gate_up(lat_TL, w1_ELF, w3_ELF):
         return grouped_situ_glu(lat_TL[pairs.token_P], w1_ELF, w3_ELF, pairs.group_sizes_E,
                                 beta=act.beta, linear_beta=act.linear_beta, backend=backend)
-    return (jax.checkpoint(gate_up) if backend == "xla" else gate_up)(lat_TL, w1_ELF, w3_ELF)
+    on_xla = resolve(backend).family is Family.XLA
+    return (jax.checkpoint(gate_up) if on_xla else gate_up)(lat_TL, w1_ELF, w3_ELF)
 
 
 def experts_down_combined(h_PF: jax.Array, pairs: ExpertPairs, w2_EFL: ExpertWeight, T: int,

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from k3jax.runtime.startup import DistributedError, ProcessSpec, init_timeout_s
+from pallas_kernels.backend import XLA
 from pallas_kernels.mxfp4 import Mxfp4Dequant
 
 _AGREEMENT_KEY = "k3jax/agreement/"
@@ -121,7 +122,7 @@ def combine_backends(views: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
     agreed = {}
     for name in names:
         seen = {view[name] for view in views.values() if name in view}
-        agreed[name] = seen.pop() if len(seen) == 1 else "xla"
+        agreed[name] = seen.pop() if len(seen) == 1 else XLA.name
     return agreed
 
 

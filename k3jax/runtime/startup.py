@@ -68,7 +68,9 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
                         f"(default: ${ENV_PROCESS_ID})")
 
 
-def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+def env_int(environ: Mapping[str, str], name: str) -> int | None:
+    """The integer in ``environ[name]`` (None when unset or blank); ValueError
+    naming the variable otherwise."""
     text = environ.get(name)
     if text is None or text.strip() == "":
         return None
@@ -86,9 +88,9 @@ def spec_from_args(coordinator: str | None, num_processes: int | None, process_i
     $K3JAX_INIT_TIMEOUT."""
     from_flags = any(v is not None for v in (coordinator, num_processes, process_id))
     if num_processes is None:
-        num_processes = _env_int(environ, ENV_NUM_PROCESSES)
+        num_processes = env_int(environ, ENV_NUM_PROCESSES)
     if process_id is None:
-        process_id = _env_int(environ, ENV_PROCESS_ID)
+        process_id = env_int(environ, ENV_PROCESS_ID)
     if coordinator is None:
         coordinator = environ.get(ENV_COORDINATOR) or None
     if num_processes is None or (num_processes == 1 and not from_flags):
@@ -116,7 +118,7 @@ def spec_from_args(coordinator: str | None, num_processes: int | None, process_i
 
 
 def _timeout_env(environ: Mapping[str, str], name: str, default: int) -> int:
-    value = _env_int(environ, name)
+    value = env_int(environ, name)
     if value is None:
         return default
     if value < 1:
@@ -137,14 +139,22 @@ def init_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def initialize(spec: ProcessSpec) -> None:
-    """Join the run: gloo CPU collectives, then ``jax.distributed.initialize``
-    (blocks until all processes have connected, at most K3JAX_INIT_TIMEOUT s).
+    """Join the run: meet every process on the coordinator's port
+    (k3jax.runtime.rendezvous: a line every 10 s names who is missing, and a
+    timeout names them), then gloo CPU collectives and
+    ``jax.distributed.initialize`` (at most K3JAX_INIT_TIMEOUT s each).
     Call before JAX's backend starts, after setting ``jax_num_cpu_devices``.
     Raises DistributedError naming this process and the coordinator."""
     import jax
+
+    from k3jax.runtime import rendezvous
+    init_s, heartbeat_s = init_timeout_s(), heartbeat_timeout_s()
+    try:
+        rendezvous.join(spec, init_s)
+    except rendezvous.JoinError as e:
+        raise DistributedError(str(e)) from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_preemption_service", False)  # unused; noisy when a peer dies
-    init_s, heartbeat_s = init_timeout_s(), heartbeat_timeout_s()
     try:
         jax.distributed.initialize(spec.coordinator, num_processes=spec.num_processes,
                                    process_id=spec.process_id, initialization_timeout=init_s,

@@ -17,8 +17,12 @@ waiting for its peers at JAX's shutdown barrier, so the peers see it as dead
 and stop too, instead of hanging in a collective. Its one-line error
 (``PROG: error: ...``) passes through; the supervisor adds none of its own.
 
+Ctrl-C (or SIGTERM) is passed on to the worker; a worker still running
+INTERRUPT_GRACE_S later (blocked in C++, where Python never sees the
+signal) is killed, and the supervisor exits 130.
+
 Exit codes of :func:`supervise`: the worker's own code; 1 after an XLA abort;
-128 + N when the worker was killed by signal N.
+130 after an interrupt; 128 + N when the worker was killed by signal N.
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 
 from k3jax.runtime.startup import ProcessSpec, heartbeat_timeout_s
+
+INTERRUPT_GRACE_S = 3.0
+"""How long a worker may take to stop after Ctrl-C before it is killed."""
+STEP_S = 0.2
 
 _PEER_LOSS = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|socket closed|broken pipe|"
                         r"unavailable", re.IGNORECASE)
@@ -140,6 +149,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _wait(child: subprocess.Popen, interrupted: list[float]) -> int:
+    """The child's exit code; a child still running INTERRUPT_GRACE_S after
+    a forwarded SIGINT / SIGTERM (blocked in C++, where the signal does not
+    reach Python) is killed."""
+    while True:
+        try:
+            return child.wait(timeout=STEP_S)
+        except subprocess.TimeoutExpired:
+            if interrupted and time.monotonic() - interrupted[0] > INTERRUPT_GRACE_S:
+                child.kill()
+
+
 def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     """Run ``target(payload)`` ("module:function", JSON payload) in a child
     Python and turn XLA's abort on a lost peer into a one-line error.
@@ -178,10 +199,12 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     for t in pumps:
         t.start()
     previous = {}
+    interrupted: list[float] = []
 
     def forward(signum, _frame):
         if child.poll() is None:
             child.send_signal(signum)
+            interrupted.append(time.monotonic())
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -189,7 +212,7 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
         except ValueError:  # not the main thread: leave signals alone
             pass
     try:
-        code = child.wait()
+        code = _wait(child, interrupted)
         for t in pumps:
             t.join()
     finally:
@@ -208,6 +231,9 @@ def supervise(target: str, payload: dict, spec: ProcessSpec, prog: str) -> int:
     if held and not (reported and code):  # no abort after all: show what was held back
         sys.stderr.write(log)                # (but not the runtime's noise after an error line)
         sys.stderr.flush()
+    if code < 0 and interrupted:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
     if code < 0:
         try:
             name = signal.Signals(-code).name

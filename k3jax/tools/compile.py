@@ -45,7 +45,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import K3Config
-from k3jax.layout import NODE, ExpertStorage, Layout, ParallelConfig, make_layout
+from k3jax.formats import ExpertStorage, Mxfp4Format
+from k3jax.layout import NODE, Layout, ParallelConfig, make_layout
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.tools.aot import (
     OVERLAP_COMPILER_OPTIONS,
@@ -111,7 +112,8 @@ class CompileReport:
             "layer": self.layer, "kind": "moe" if self.cfg.is_moe_layer(self.layer) else "dense",
             "tokens": self.tokens, "backend": self.backend, "dtype": self.dtype,
             "expert_dtype": self.expert_dtype,
-            "mxfp4_dequant": None if lay.mxfp4_dequant is None else lay.mxfp4_dequant.value,
+            "mxfp4_dequant": (lay.experts.dequant.value if isinstance(lay.experts, Mxfp4Format)
+                              else None),
             "layout": {**dataclasses.asdict(self.parallel),
                        "shared_overlap": self.parallel.shared_overlap.value,
                        "ep_dispatch": self.parallel.ep_dispatch.value,
@@ -263,8 +265,9 @@ def layer_on_mesh(cfg: K3Config, parallel: ParallelConfig, layer: int,
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     experts = (ExpertStorage.MXFP4 if expert_dtype == "mxfp4" and cfg.is_moe_layer(layer)
                else ExpertStorage.DENSE)
-    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=experts,
-                         dtype=jnp.dtype(dtype), mxfp4_dequant=mxfp4_dequant)
+    fmt = Mxfp4Format(dequant=mxfp4_dequant) if experts is ExpertStorage.MXFP4 else experts
+    layout = make_layout(cfg, parallel, mesh, backend=backend, experts=fmt,
+                         dtype=jnp.dtype(dtype))
     module = build_layer(layout, layer, mesh, source=AbstractSource())
     spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
     x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),

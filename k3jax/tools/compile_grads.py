@@ -33,8 +33,9 @@ import jax
 from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.formats import ExpertStorage
 from k3jax.grads import grad_program, param_path, split_trainable
-from k3jax.layout import ExpertStorage, ParallelConfig
+from k3jax.layout import ParallelConfig
 from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, ptxas_dump
 from k3jax.tools.compile import (
     CompileReport,

@@ -73,9 +73,20 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
+
 from k3jax.config import K3Config
+from k3jax.tools import kernel_cost
 from k3jax.tools import layer_latency as ll
-from k3jax.tools.ep_destinations import UNIFORM, Destinations, Routing, check_placement, expected
+from k3jax.tools.ep_destinations import (
+    BALANCED,
+    UNIFORM,
+    Balance,
+    Destinations,
+    Routing,
+    check_placement,
+    expected,
+)
 from k3jax.tools.layer_schedule import (
     ALL_GATHER_HBM,
     NVLINK,
@@ -105,6 +116,34 @@ SCHEDULE_LINK = dataclasses.replace(NVLINK, latency_s=0.0)
 """The link k3jax.tools.layer_schedule runs the transfers on: each Transfer's
 own latency is part of its time (``Transfer.op``)."""
 RING, DIRECT = "ring", "direct"
+
+ONE_SHOT, NCCL_FALLBACK = "one-shot", "nccl-fallback"
+ONE_SHOT_MAX_PEERS = 8
+"""XLA's GPU one-shot ragged-all-to-all kernel holds at most 8 output
+pointers (RaggedAllToAllKernelImpl's std::array<void*, 8>) and needs every
+peer on the host (ragged_all_to_all_thunk.cc: is_local)."""
+HOST_ROUND_TRIP_S = 6e-6
+"""One small device-to-host copy, or one host synchronisation, seen from the
+host: 5-7 us a cudaMemcpyAsync call (DualPath, arXiv 2602.21548, section
+5.2); a stream synchronisation taken as the same (an assumption)."""
+METADATA_COPIES, HOST_SYNCS = 4, 2
+"""XLA's NCCL path copies the four offset / size arrays to the host and
+blocks the host twice (after the all-to-all of the output offsets, after the
+copies): ragged_all_to_all_thunk.cc, LoadRaggedTensorMetadata and
+RunAllToAllOnIndexBuffer."""
+FALLBACK_PER_PEER_S = 12e-6
+"""The NCCL path's cost per (update, peer) slot, even an empty one: about
+12 us (openxla/xla#46982, A100, jax 0.10.0). k3jax's stages send one update
+a peer."""
+
+
+def ragged_path(ranks: int, nodes: int) -> str:
+    """Which of XLA's GPU ragged-all-to-all implementations a group of
+    ``ranks`` devices on ``nodes`` nodes runs at the pinned XLA (docs/latency.md):
+    the one-shot kernel inside one node for up to ONE_SHOT_MAX_PEERS peers,
+    else the per-peer NCCL send / recv path (which XLA at jaxlib 0.11.2 runs
+    only with xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback)."""
+    return ONE_SHOT if nodes == 1 and ranks <= ONE_SHOT_MAX_PEERS else NCCL_FALLBACK
 
 
 def latency_s(pattern: str, ranks: int, nodes: int) -> float:
@@ -155,9 +194,27 @@ class Transfer:
     hbm_per_wire: float = ALL_GATHER_HBM
 
     @property
+    def path(self) -> str | None:
+        """A ragged all-to-all's XLA implementation (``ragged_path``)."""
+        return ragged_path(self.ranks, self.nodes) if self.kind == "ragged-all-to-all" else None
+
+    @property
+    def meta_s(self) -> float:
+        """The NCCL path's work before any row moves, the host blocked: an
+        all-to-all of the output offsets (a direct exchange), HOST_SYNCS host
+        synchronisations and METADATA_COPIES device-to-host copies."""
+        if self.path != NCCL_FALLBACK:
+            return 0.0
+        return (latency_s(DIRECT, self.ranks, self.nodes)
+                + (HOST_SYNCS + METADATA_COPIES) * HOST_ROUND_TRIP_S)
+
+    @property
     def latency_s(self) -> float:
-        return latency_s(DIRECT if self.kind == "ragged-all-to-all" else RING, self.ranks,
-                         self.nodes)
+        """NCCL's latency (module docstring); the NCCL path adds
+        FALLBACK_PER_PEER_S a peer."""
+        own = latency_s(DIRECT if self.kind == "ragged-all-to-all" else RING, self.ranks,
+                        self.nodes)
+        return own + (self.ranks * FALLBACK_PER_PEER_S if self.path == NCCL_FALLBACK else 0.0)
 
     @property
     def wire_s(self) -> float:
@@ -166,17 +223,27 @@ class Transfer:
 
     @property
     def seconds(self) -> float:
-        """Alone on an idle GPU: latency, then the bytes."""
-        return self.latency_s + self.wire_s
+        """Alone on an idle GPU: the NCCL path's host work, latency, then the bytes."""
+        return self.meta_s + self.latency_s + self.wire_s
 
     def op(self, *deps: str) -> Op:
-        """This transfer on SCHEDULE_LINK: its whole time as NVLink-rate
-        bytes, with the HBM bytes per second it really moves (so the
-        slowdown rule sees the right rate; compute under its latency runs
+        """This transfer's rows on SCHEDULE_LINK: latency + bytes as
+        NVLink-rate bytes, with the HBM bytes per second it really moves (so
+        the slowdown rule sees the right rate; compute under its latency runs
         slowed too, a small pessimism)."""
-        wire = self.seconds * SCHEDULE_LINK.bytes_per_s
+        wire = (self.latency_s + self.wire_s) * SCHEDULE_LINK.bytes_per_s
         moved = self.nvlink_bytes + self.ib_bytes
         return collective(self.name, wire, *deps, hbm_per_wire=self.hbm_per_wire * moved / wire)
+
+    def ops(self, *deps: str) -> list[Op]:
+        """``op`` after, on the NCCL path, its host work (``{name}.meta``, a
+        link op that moves nothing: compute under it slows by the collective's
+        SM share only); the host is blocked until it ends."""
+        if not self.meta_s:
+            return [self.op(*deps)]
+        meta = collective(f"{self.name}.meta", self.meta_s * SCHEDULE_LINK.bytes_per_s, *deps,
+                          hbm_per_wire=0.0)
+        return [meta, self.op(meta.name)]
 
 
 def _pieces(cfg: K3Config) -> tuple[tuple[str, int], ...]:
@@ -186,14 +253,17 @@ def _pieces(cfg: K3Config) -> tuple[tuple[str, int], ...]:
     return (("rows", 2 * cfg.routed_expert_hidden_size), ("ids", 4 * K), ("weights", 4 * K))
 
 
-def transfers(cfg: K3Config, form: str, ep: int, nodes: int, rows: int,
-              dest: Destinations) -> tuple[list[Transfer], list[Transfer]]:
+def transfers(cfg: K3Config, form: str, ep: int, nodes: int, rows: int, dest: Destinations,
+              balance: Balance = BALANCED) -> tuple[list[Transfer], list[Transfer]]:
     """(dispatch, combine) transfers of ``form`` for ``rows`` own rows a
     device, in program order (module docstring); ``dest`` the routing's
-    expected destinations (used by all-to-all only)."""
+    expected destinations and ``balance`` its skew (used by all-to-all only:
+    the busiest node receives ``balance.node`` x stage A's mean rows, the
+    busiest device ``balance.device`` x stage B's)."""
     if form not in forms_for(nodes):
         raise ValueError(f"form must be one of {forms_for(nodes)} at {nodes} node(s), got {form!r}")
     N, G, R, sums = nodes, ep // nodes, rows, 4 * cfg.routed_expert_hidden_size
+    a_rows, b_rows = R * dest.remote_nodes * balance.node, R * dest.stage_b_rows * balance.device
     out, back = [], []
     if form == "gather":
         nic = 1 / (G * NICS_PER_GPU) if N > 1 else 0.0
@@ -215,16 +285,14 @@ def transfers(cfg: K3Config, form: str, ep: int, nodes: int, rows: int,
     else:
         if N > 1:
             out.append(Transfer("a.counts", "all-gather", 0.0, (N - 1) * N * 4, N, N))
-            out += [Transfer(f"a.{what}", "ragged-all-to-all", 0.0, R * dest.remote_nodes * b, N, N)
+            out += [Transfer(f"a.{what}", "ragged-all-to-all", 0.0, a_rows * b, N, N)
                     for what, b in _pieces(cfg)]
-            back.append(Transfer("a.back", "ragged-all-to-all", 0.0, R * dest.remote_nodes * sums,
-                                 N, N))
+            back.append(Transfer("a.back", "ragged-all-to-all", 0.0, a_rows * sums, N, N))
         if G > 1:
             out.append(Transfer("b.counts", "all-gather", (G - 1) * G * 4, 0.0, G, 1))
-            out += [Transfer(f"b.{what}", "ragged-all-to-all", R * dest.stage_b_rows * b, 0.0, G, 1)
+            out += [Transfer(f"b.{what}", "ragged-all-to-all", b_rows * b, 0.0, G, 1)
                     for what, b in _pieces(cfg)]
-            back.insert(0, Transfer("b.back", "ragged-all-to-all", R * dest.stage_b_rows * sums,
-                                    0.0, G, 1))
+            back.insert(0, Transfer("b.back", "ragged-all-to-all", b_rows * sums, 0.0, G, 1))
     return out, back
 
 
@@ -240,11 +308,32 @@ def _stage_slots(ep: int, nodes: int, rows: int) -> dict[str, int]:
     return {"a": a, "b": G * (a or rows) if G > 1 else 0}
 
 
-def layer_ops(cfg: K3Config, form: str, ep: int, nodes: int, rows: int,
-              dest: Destinations) -> tuple[list[Op], list[Op], list[Transfer]]:
-    """(routed ops, shared-expert ops, the form's transfers) of the layer."""
-    dispatch, combine = transfers(cfg, form, ep, nodes, rows, dest)
+def busiest_gemm_s(cfg: K3Config, rows: int, ep: int, balance: Balance) -> tuple[float, float]:
+    """(gate/up, down) seconds of the busiest device's grouped launches:
+    ``balance.device`` x the mean R K pairs a device, spread evenly over its
+    slots (k3jax.tools.kernel_cost's predicted times, as
+    layer_latency.routed_gemm_s, which this equals when balanced)."""
+    if balance.device == 1.0 and balance.slots_per_device is None:
+        return ll.routed_gemm_s(cfg, rows, ep)
+    L, I, K = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
+    local = balance.slots_per_device or cfg.num_experts // ep
+    held = min(round(balance.device * rows * K), ep * rows * K)
+    sizes = np.full(local, held // local, np.int32)
+    sizes[:held % local] += 1
+    gate_up = kernel_cost.launch_cost(sizes, ep * rows * K, L, I, 2)
+    down = kernel_cost.launch_cost(sizes, ep * rows * K, I, L, 1)
+    return gate_up.predicted_us * 1e-6, down.predicted_us * 1e-6
+
+
+def layer_ops(cfg: K3Config, form: str, ep: int, nodes: int, rows: int, dest: Destinations,
+              balance: Balance = BALANCED) -> tuple[list[Op], list[Op], list[Transfer]]:
+    """(routed ops, shared-expert ops, the form's transfers) of the layer;
+    the routed GEMMs are the busiest device's (``busiest_gemm_s``)."""
+    dispatch, combine = transfers(cfg, form, ep, nodes, rows, dest, balance)
     common = {op.name: op for op in ll.routed_ops(cfg, rows, ep) if not op.is_collective}
+    gate_up_s, down_s = busiest_gemm_s(cfg, rows, ep, balance)
+    common["routed.gate_up"] = dataclasses.replace(common["routed.gate_up"], seconds=gate_up_s)
+    common["routed.down"] = dataclasses.replace(common["routed.down"], seconds=down_s)
     row_b = sum(b for _, b in _pieces(cfg))
     slots = _stage_slots(ep, nodes, rows) if form == "all-to-all" else {}
     L = cfg.routed_expert_hidden_size
@@ -256,13 +345,13 @@ def layer_ops(cfg: K3Config, form: str, ep: int, nodes: int, rows: int,
             ops.append(t.op(*last))
             last = (f"{stage}.pack", t.name)
             continue
-        ops.append(t.op(*last))
+        ops += t.ops(*last)
         last = (t.name,)
     ops.append(dataclasses.replace(common["routed.in"], deps=last))
     ops += [common["routed.gate_up"], common["routed.down"], common["routed.out"]]
     last = ("routed.out",)
     for t in combine:
-        ops.append(t.op(*last))
+        ops += t.ops(*last)
         last = (t.name,)
         if t.kind == "ragged-all-to-all":
             stage = t.name.split(".")[0]
@@ -290,6 +379,7 @@ class DispatchEstimate:
     tokens: int
     rows: int
     routing: Routing
+    balance: Balance
     schedule: Schedule
     transfers: tuple[Transfer, ...]
     common_s: float             # the compute every form runs (COMMON_OPS), alone
@@ -322,29 +412,50 @@ class DispatchEstimate:
 
     def as_dict(self) -> dict:
         return {"form": self.form, "ep": self.ep, "nodes": self.nodes, "tokens": self.tokens,
-                "rows": self.rows, "routing": self.routing.name, "layer_s": self.layer_s,
-                "dispatch_s": self.dispatch_s, "exposed_s": self.exposed_s,
-                "ib_bytes": self.ib_bytes, "nvlink_bytes": self.nvlink_bytes,
+                "rows": self.rows, "routing": self.routing.name, "balance": self.balance.name,
+                "layer_s": self.layer_s, "dispatch_s": self.dispatch_s,
+                "exposed_s": self.exposed_s, "ib_bytes": self.ib_bytes,
+                "nvlink_bytes": self.nvlink_bytes,
                 "transfers": [{"name": t.name, "kind": t.kind, "nvlink_bytes": t.nvlink_bytes,
                                "ib_bytes": t.ib_bytes, "ranks": t.ranks, "nodes": t.nodes,
-                               "seconds": t.seconds} for t in self.transfers]}
+                               "path": t.path, "host_s": t.meta_s, "seconds": t.seconds}
+                              for t in self.transfers]}
+
+
+def host_ordered(ops: list[Op]) -> list[Op]:
+    """``ops`` in program order, each op after a host-blocking one (an NCCL
+    path's ``.meta``) made to wait for it: the host issues nothing further
+    until it returns (work issued before runs on)."""
+    out, blocker = [], None
+    for op in ops:
+        if blocker is not None and blocker not in op.deps:
+            op = dataclasses.replace(op, deps=op.deps + (blocker,))
+        out.append(op)
+        if op.name.endswith(".meta"):
+            blocker = op.name
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
 def estimate(cfg: K3Config, tokens: int, ep: int, nodes: int, form: str,
-             routing: Routing = UNIFORM) -> DispatchEstimate:
+             routing: Routing = UNIFORM, balance: Balance = BALANCED) -> DispatchEstimate:
     """The model's layer with ``form`` for ``tokens`` global tokens, SP + EP
-    over ep devices on ``nodes`` nodes (module docstring)."""
+    over ep devices on ``nodes`` nodes (module docstring); ``balance``: the
+    pairs' skew over the devices (the busiest device sets the time)."""
     check_layout(cfg, ep, nodes, tokens)
+    if balance.device > ep or balance.node > nodes:
+        raise ValueError(f"balance: max / mean cannot exceed the {ep} devices / {nodes} nodes, "
+                         f"got {balance.device} / {balance.node}")
     rows = math.ceil(tokens / ep)
     dest = expected(cfg.num_experts, cfg.num_experts_per_token, ep, nodes, routing)
-    routed, shared, moved = layer_ops(cfg, form, ep, nodes, rows, dest)
-    best = min((simulate(ops, SCHEDULE_LINK) for ops in (routed + shared, shared + routed)),
-               key=lambda s: s.end_s)
+    routed, shared, moved = layer_ops(cfg, form, ep, nodes, rows, dest, balance)
+    best = min((simulate(host_ordered(ops), SCHEDULE_LINK)
+                for ops in (routed + shared, shared + routed)), key=lambda s: s.end_s)
     work = [op for op in routed + shared if not op.is_collective]
     common = sum(op.seconds for op in work if op.name in COMMON_OPS)
     own = sum(op.seconds for op in work if op.name not in COMMON_OPS)
-    return DispatchEstimate(form, ep, nodes, tokens, rows, routing, best, tuple(moved), common, own)
+    return DispatchEstimate(form, ep, nodes, tokens, rows, routing, balance, best, tuple(moved),
+                            common, own)
 
 
 def auto_form(estimates: dict[str, float]) -> str:
@@ -357,14 +468,16 @@ def auto_form(estimates: dict[str, float]) -> str:
     return best
 
 
-def sweep(cfg: K3Config, ep: int, nodes: int, tokens: int,
-          routing: Routing = UNIFORM) -> tuple[dict[str, DispatchEstimate], str]:
+def sweep(cfg: K3Config, ep: int, nodes: int, tokens: int, routing: Routing = UNIFORM,
+          balance: Balance = BALANCED) -> tuple[dict[str, DispatchEstimate], str]:
     """Every form the layout can run, and the auto pick among them."""
-    ests = {form: estimate(cfg, tokens, ep, nodes, form, routing) for form in forms_for(nodes)}
+    ests = {form: estimate(cfg, tokens, ep, nodes, form, routing, balance)
+            for form in forms_for(nodes)}
     return ests, auto_form({form: e.layer_s for form, e in ests.items()})
 
 
-def curves(cfg: K3Config, layouts, tokens, routing: Routing = UNIFORM) -> dict:
+def curves(cfg: K3Config, layouts, tokens, routing: Routing = UNIFORM,
+           balance: Balance = BALANCED) -> dict:
     """For a figure: {(ep, nodes): {"tokens": [...], "pick": [...], form:
     {"dispatch_s": [...], "exposed_s": [...], "layer_s": [...], "ib_bytes":
     [...], "nvlink_bytes": [...]}}} (model predictions)."""
@@ -372,7 +485,7 @@ def curves(cfg: K3Config, layouts, tokens, routing: Routing = UNIFORM) -> dict:
     for ep, nodes in layouts:
         entry = {"tokens": list(tokens), "pick": []}
         for t in tokens:
-            ests, pick = sweep(cfg, ep, nodes, t, routing)
+            ests, pick = sweep(cfg, ep, nodes, t, routing, balance)
             entry["pick"].append(pick)
             for form, e in ests.items():
                 series = entry.setdefault(form, {"dispatch_s": [], "exposed_s": [], "layer_s": [],
@@ -381,6 +494,21 @@ def curves(cfg: K3Config, layouts, tokens, routing: Routing = UNIFORM) -> dict:
                     series[key].append(getattr(e, key))
         out[(ep, nodes)] = entry
     return out
+
+
+RAGGED_SOURCES = {
+    "one_shot_max_peers": "XLA GPU RaggedAllToAllKernelImpl (std::array<void*, 8> of outputs) in "
+                          "jax-cuda13-plugin 0.11.2's xla_cuda_plugin.so; ragged_all_to_all_thunk.cc "
+                          "IsOneShotKernelSupported / is_local (docs/latency.md)",
+    "host_round_trip_s": "5-7 us per cudaMemcpyAsync call (DualPath, arXiv 2602.21548, section 5.2); "
+                         "a stream synchronisation assumed the same",
+    "metadata_copies": "ragged_all_to_all_thunk.cc LoadRaggedTensorMetadata (4 arrays copied, then "
+                       "BlockHostUntilDone)",
+    "host_syncs": "ragged_all_to_all_thunk.cc RunAllToAllOnIndexBuffer and "
+                  "LoadRaggedTensorMetadata (BlockHostUntilDone each)",
+    "fallback_per_peer_s": "about 12 us per (update, peer) slot of the NCCL path, empty or not "
+                           "(openxla/xla#46982, A100, jax 0.10.0)",
+}
 
 
 def hardware() -> dict:
@@ -396,13 +524,20 @@ def hardware() -> dict:
                "net_step_floor_s": GPU.net_step_floor_s,
                "collective_sms": GPU.collective_sms, "num_sms": GPU.num_sms,
                "hbm_copy_bytes_per_s": GPU.hbm_copy_bytes_per_s}
-    return {"name": GPU.name, **figures,
-            "sources": {k: GPU.sources.get(k, GPU.sources["chip"]) for k in figures},
+    ragged = {"one_shot_max_peers": ONE_SHOT_MAX_PEERS, "host_round_trip_s": HOST_ROUND_TRIP_S,
+              "metadata_copies": METADATA_COPIES, "host_syncs": HOST_SYNCS,
+              "fallback_per_peer_s": FALLBACK_PER_PEER_S}
+    return {"name": GPU.name, **figures, **ragged,
+            "sources": {**{k: GPU.sources.get(k, GPU.sources["chip"]) for k in figures},
+                        **RAGGED_SOURCES},
             "expert_gemms": "k3jax.tools.kernel_cost.launch_cost predicted times, balanced routing "
                             "(k3jax.tools.layer_latency.routed_gemm_s; a model)",
             "tie_rel": TIE_REL}
 
 
-__all__ = ["COMMON_OPS", "DIRECT", "FORMS", "INFINIBAND", "RING", "SCHEDULE_LINK", "TIE_REL",
-           "DispatchEstimate", "Transfer", "auto_form", "check_layout", "curves", "estimate",
-           "forms_for", "hardware", "latency_s", "layer_ops", "sweep", "transfers"]
+__all__ = ["COMMON_OPS", "DIRECT", "FALLBACK_PER_PEER_S", "FORMS", "HOST_ROUND_TRIP_S", "HOST_SYNCS",
+           "INFINIBAND", "METADATA_COPIES", "NCCL_FALLBACK", "ONE_SHOT", "ONE_SHOT_MAX_PEERS",
+           "RAGGED_SOURCES", "RING", "SCHEDULE_LINK", "TIE_REL", "DispatchEstimate", "Transfer",
+           "auto_form", "busiest_gemm_s", "check_layout", "curves", "estimate", "forms_for",
+           "hardware", "host_ordered", "latency_s", "layer_ops", "ragged_path", "sweep",
+           "transfers"]

@@ -18,6 +18,10 @@ Routing models (``Routing``; each an assumption, not a measurement):
                  experts a token picks cluster on one node); otherwise
                  uniform. SKEWED = skewed(0.5) is the stated skewed scenario.
 
+How unevenly the pairs fall on the devices (``Balance``, max / mean a
+device and a node; BALANCED for the uniform routing) is a separate input of
+the dispatch model: the busiest device sets the layer's time.
+
 Expected per token (``Destinations``):
 
   nodes          distinct nodes holding >= 1 of its experts
@@ -69,6 +73,66 @@ class Routing:
 
 UNIFORM = Routing(0.0)
 SKEWED = Routing(0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    """How unevenly the routed (token, expert) pairs fall on the devices and
+    nodes: ``device`` = max / mean pairs a device, ``node`` = max / mean
+    pairs a node (each >= 1; the busiest one sets the layer's time), and the
+    expert slots a device holds (None: E / ep, no redundant experts).
+    BALANCED is what the committed table assumes. From measured statistics
+    (``from_loads``: a load file's tokens_per_device / tokens_per_node) or
+    from a placement and a load (``from_placement``)."""
+
+    device: float = 1.0
+    node: float = 1.0
+    slots_per_device: int | None = None
+    source: str = "balanced"
+
+    def __post_init__(self) -> None:
+        for name in ("device", "node"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
+                raise ValueError(f"Balance.{name} (max / mean load) must be a finite number "
+                                 f">= 1, got {value!r}")
+        if self.slots_per_device is not None and (not isinstance(self.slots_per_device, int)
+                                                  or self.slots_per_device < 1):
+            raise ValueError(f"Balance.slots_per_device must be an integer >= 1 or None, "
+                             f"got {self.slots_per_device!r}")
+
+    @property
+    def name(self) -> str:
+        return (f"{self.source} (max / mean per device {self.device:.3f}, per node "
+                f"{self.node:.3f})")
+
+    @classmethod
+    def from_loads(cls, tokens_per_device, tokens_per_node, slots_per_device: int | None = None,
+                   source: str = "measured") -> Balance:
+        """max / mean of measured per-device and per-node counts."""
+        ratios = []
+        for what, loads in (("tokens_per_device", tokens_per_device),
+                            ("tokens_per_node", tokens_per_node)):
+            loads = np.asarray(loads, np.float64)
+            if loads.ndim != 1 or not loads.size or np.any(loads < 0) or \
+                    not np.all(np.isfinite(loads)):
+                raise ValueError(f"Balance.from_loads: {what} must be a non-empty list of "
+                                 f"counts >= 0")
+            ratios.append(float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0)
+        return cls(max(ratios[0], 1.0), max(ratios[1], 1.0), slots_per_device, source)
+
+    @classmethod
+    def from_placement(cls, placement, tokens_per_expert, source: str = "placement") -> Balance:
+        """The balance ``placement`` (k3jax.layout.expert_placement) gives
+        ``tokens_per_expert`` [E], each replica an equal share of its expert."""
+        from k3jax.layout import expert_placement as xp
+
+        return cls.from_loads(xp.device_loads(placement, tokens_per_expert),
+                              xp.node_loads(placement, tokens_per_expert),
+                              placement.slots_per_device, source)
+
+
+BALANCED = Balance()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,5 +223,5 @@ def monte_carlo(num_experts: int, k: int, ep: int, nodes: int, routing: Routing 
     return means, errors
 
 
-__all__ = ["SKEWED", "UNIFORM", "Destinations", "Routing", "check_placement", "expected",
-           "hit_probability", "monte_carlo", "sample_experts"]
+__all__ = ["BALANCED", "SKEWED", "UNIFORM", "Balance", "Destinations", "Routing",
+           "check_placement", "expected", "hit_probability", "monte_carlo", "sample_experts"]

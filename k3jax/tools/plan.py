@@ -35,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config
+from k3jax.formats import DenseFormat, ExpertStorage, expert_tensors
 from k3jax.layout import (
-    ExpertStorage,
     Layout,
+    LayoutError,
     MlpMode,
     ParallelConfig,
     abstract_mesh,
     make_layout,
 )
 from k3jax.modules import AbstractSource, build_layer
-from k3jax.modules.moe import DENSE_EXPERT_PARAMS, MXFP4_EXPERT_PARAMS
 from k3jax.tools.memory import param_shard_bytes, param_shard_shapes
 from k3jax.tools.plan_collectives import (
     Collective,
@@ -57,17 +57,18 @@ from k3jax.tools.plan_collectives import (
 WEIGHT_DTYPES = ("bfloat16", "float32")
 EXPERT_DTYPES = ("mxfp4", "bfloat16", "float32")
 COMPONENTS = ("dense_mlp", "shared_experts", "router", "latent_projections", "routed_experts")
-ROUTED_EXPERT_PARAMS = DENSE_EXPERT_PARAMS + MXFP4_EXPERT_PARAMS
-
 _MOE_COMPONENT = {"router_DE": "router", "router_bias_E": "router",
                   "lat_down_DL": "latent_projections", "lat_up_LD": "latent_projections",
-                  "lat_norm_L": "latent_projections",
-                  **{name: "routed_experts" for name in ROUTED_EXPERT_PARAMS}}
+                  "lat_norm_L": "latent_projections"}
 
 
 def _moe_component(path: str) -> str:
+    """The component of a MoE parameter; the routed experts' are every
+    registered format's (k3jax.formats.expert_tensors)."""
     if path.startswith("shared."):
         return "shared_experts"
+    if path in expert_tensors():
+        return "routed_experts"
     try:
         return _MOE_COMPONENT[path]
     except KeyError:
@@ -82,7 +83,7 @@ def planning_layout(cfg: K3Config, parallel: ParallelConfig, *, dtype: str = "bf
                     expert_dtype: str = "mxfp4") -> Layout:
     """The Layout the planner reads: weights in ``dtype``, routed experts
     packed MXFP4 when ``expert_dtype`` is "mxfp4" (else dense), backend xla
-    (its modules are abstract: nothing runs). Raises Mxfp4ShardError when
+    (its modules are abstract: nothing runs). Raises ExpertShardError when
     packed experts cannot be split over ``parallel``."""
     _check_dtypes(dtype, expert_dtype)
     experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
@@ -107,10 +108,11 @@ def layer_param_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
     layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
     module = abstract_layer(layout, layer)
     out = param_shard_bytes(module)
-    if cfg.is_moe_layer(layer) and not layout.experts.packed:
+    if cfg.is_moe_layer(layer) and isinstance(layout.experts, DenseFormat):
         itemsize = np.dtype(jnp.dtype(expert_dtype)).itemsize
         shapes = param_shard_shapes(module)
-        out.update({name: math.prod(shapes[name][0]) * itemsize for name in DENSE_EXPERT_PARAMS})
+        out.update({name: math.prod(shapes[name][0]) * itemsize
+                    for name in layout.experts.param_names()})
     return out
 
 
@@ -257,8 +259,11 @@ def _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype) -> dict[str
         out["shared_experts_saved"] = alt["shared_experts"] - totals["shared_experts"]
     if parallel.expert_parallel:
         other = not parallel.pad_under_ep
-        alt, _ = model_bytes(cfg, dataclasses.replace(parallel, pad_under_ep=other),
-                             dtype=dtype, expert_dtype=expert_dtype)
+        try:
+            alt, _ = model_bytes(cfg, dataclasses.replace(parallel, pad_under_ep=other),
+                                 dtype=dtype, expert_dtype=expert_dtype)
+        except LayoutError:   # the pre-fix padding cannot split this intermediate: no figure
+            return out
         key = "routed_experts_if_padded_under_ep" if other else "routed_experts_with_fix"
         out[key] = alt["routed_experts"]
     return out

@@ -1,7 +1,7 @@
 """The tile search: which launch the grouped and MLP launchers should run for
 a shape, chosen by the kernel cost model (k3jax.tools.kernel_cost) against
 explicit targets (SearchTargets). scripts.write_tile_table runs it over the
-K3 shapes and commits the picks to pallas_kernels/grouped_matmul/tile_table.py;
+K3 shapes and commits the picks to pallas_kernels/data/tile_table.json;
 the launchers read that table and never run this search.
 
 Grouped products (best_grouped_config): the row-major tiles (mosaic_sm90's

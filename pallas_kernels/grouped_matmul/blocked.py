@@ -1,4 +1,4 @@
-"""Sorted, blocked grouped matmul in plain XLA: the "xla" backend.
+"""Sorted, blocked grouped matmul in plain XLA: the XLA family's forward.
 
 ``jax.lax.ragged_dot`` is what reference.py uses, but XLA (jax 0.11.2, GPU
 and CPU) lowers it densely: the LHS is broadcast to [G, M, K], masked and

@@ -21,8 +21,8 @@ items are consecutive), and a ``lax.scan`` over them
 Groups without rows stay exact zeros; empty items skip the product
 (``lax.cond``). Nothing of size [M, G, ...] is allocated.
 
-``grouped_matmul_vjp`` is grouped_matmul's whole backward on "xla" (dx and dw)
-in one such scan, and ``grouped_situ_glu_vjp`` the fused pair's whole backward on "xla" in one
+``grouped_matmul_vjp`` is grouped_matmul's whole backward on XLA (dx and dw)
+in one such scan, and ``grouped_situ_glu_vjp`` the fused pair's whole backward on XLA in one
 such scan (recompute, SiTU-GLU derivative, dx and both weight gradients per
 item), so no [M, 2N] cotangent of the pre-activations is ever materialized.
 ``grouped_matmul_combine_vjp`` is combine.py's backward (a grouped matmul

@@ -8,7 +8,7 @@ the (token, expert) pairs sorted by expert, T tokens; r_TN float32 [T, N]).
 
 The forward is the two steps as written (``api.grouped_matmul``, then
 ``combine_rows``), on every backend. The point of the single op is the
-backward on "xla": composed, autodiff holds the [M, N] cotangent of y
+backward on XLA: composed, autodiff holds the [M, N] cotangent of y
 (weight * dr_TN[token], M = T * top-k rows: 3.5 GiB per device for K3 at
 32768 tokens under EP 8) beside the down projection's [M, F] input and its
 [M, F] gradient, and keeps y itself for the weights' gradient. Here one
@@ -18,7 +18,7 @@ holds nothing of size [M, N]. Other backends, and frozen MXFP4 weights,
 differentiate the composition (vjp.py / mxfp4_vjp.py, then autodiff of the
 scatter-add).
 
-Numerics on "xla": the forward is the composition's, bit for bit. The
+Numerics on XLA: the forward is the composition's, bit for bit. The
 backward rounds dr's gathered rows to x's dtype for u = dr @ w[g]^T (f32
 accumulation) and takes dx = weight * u (one cast) and dweight = <x, u>
 (float32; equal to <y, dr> up to the rounding of y in the forward), and
@@ -32,7 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.backend import Backend, Family, resolve
 from pallas_kernels.grouped_matmul import blocked, blocked_tgmm
 from pallas_kernels.grouped_matmul.api import grouped_matmul, validate_grouped
 from pallas_kernels.mxfp4 import Mxfp4Weights
@@ -72,7 +72,7 @@ def grouped_matmul_combine(x_MK: jax.Array, w_GKN: jax.Array | Mxfp4Weights,
         raise ValueError(f"token_M must be an integer array, got {token_M.dtype}")
     if not jnp.issubdtype(weight_M.dtype, jnp.floating):
         raise ValueError(f"weight_M must be a floating dtype, got {weight_M.dtype}")
-    if resolve_backend(backend) == "xla" and not isinstance(w_GKN, Mxfp4Weights):
+    if resolve(backend).family is Family.XLA and not isinstance(w_GKN, Mxfp4Weights):
         r_TN, pinned_out = _xla(x_MK, w_GKN, group_sizes_G.astype(jnp.int32),
                                 token_M.astype(jnp.int32), weight_M, pinned, num_tokens)
     else:
@@ -89,7 +89,7 @@ def _pin(y_MN: jax.Array, pinned):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _xla(x_MK, w_GKN, group_sizes_G, token_M, weight_M, pinned, num_tokens):
-    """The "xla" op: blocked.grouped_matmul, (pin), combine_rows; the fused
+    """The XLA op: blocked.grouped_matmul, (pin), combine_rows; the fused
     backward. Returns (r_TN, pinned)."""
     y_MN, pinned = _pin(blocked.grouped_matmul(x_MK, w_GKN, group_sizes_G), pinned)
     r_TN = combine_rows(y_MN, token_M, weight_M, num_tokens)

@@ -1,5 +1,6 @@
-"""The launchers' tile choice: a lookup in the committed table
-(tile_table.py, written by ``python -m scripts.write_tile_table``).
+"""The launchers' tile choice: a lookup in the committed table, the data file
+pallas_kernels/data/tile_table.json (written by ``python -m
+scripts.write_tile_table``), read once, on the first lookup.
 
 Key: (op, M bucket, K, N, groups, num_weights, dtype name), op "grouped"
 (grouped_matmul: num_weights 1; grouped_situ_glu: 2) or "mlp" (situ_mlp_up:
@@ -16,12 +17,31 @@ from __future__ import annotations
 
 import bisect
 import functools
+import importlib.resources
+import json
 
 from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab
 
 ROW_MAJOR = "row_major"   # a grouped row's "kernel": mosaic_sm90's default tiles
 SWAP_AB = "swap_ab"       # a grouped row's "kernel": mosaic_sm90_swap_ab with the row's fields
 MLP = "mlp"               # an MLP row's "kernel": mosaic_sm90 with the row's TileConfig fields
+TABLE_FILE = "tile_table.json"
+"""The committed table's file name in pallas_kernels' data folder."""
+
+
+def table_file():
+    """The committed table's file (an importlib.resources Traversable): the
+    package's data/tile_table.json, in a checkout or an installed wheel."""
+    return importlib.resources.files("pallas_kernels") / "data" / TABLE_FILE
+
+
+@functools.cache
+def tiles() -> dict[tuple, dict]:
+    """The committed table, {key: entry} in the file's order: key (op, M
+    bucket, K, N, groups, num_weights, dtype name), entry {"kernel": ...,
+    **config fields} (row_config reads it)."""
+    doc = json.loads(table_file().read_text(encoding="utf-8"))
+    return {tuple(row["key"]): row["entry"] for row in doc["tiles"]}
 
 
 def row_config(entry: dict) -> mosaic_sm90_swap_ab.SwapABConfig | mosaic_sm90.TileConfig | None:
@@ -42,9 +62,8 @@ def row_config(entry: dict) -> mosaic_sm90_swap_ab.SwapABConfig | mosaic_sm90.Ti
 @functools.cache
 def _index() -> dict[tuple, tuple[list[int], list]]:
     """(op, K, N, groups, num_weights, dtype) -> (sorted M buckets, their configs)."""
-    from pallas_kernels.grouped_matmul import tile_table  # generated; read on first lookup
     by_shape: dict[tuple, list[tuple[int, object]]] = {}
-    for (op, m, k, n, groups, num_weights, dtype), entry in tile_table.TILES.items():
+    for (op, m, k, n, groups, num_weights, dtype), entry in tiles().items():
         by_shape.setdefault((op, k, n, groups, num_weights, dtype), []).append((m, row_config(entry)))
     return {shape: ([m for m, _ in sorted(rows, key=lambda r: r[0])],
                     [cfg for _, cfg in sorted(rows, key=lambda r: r[0])])
@@ -118,5 +137,5 @@ def entry_of(config: object, op: str) -> dict:
     return {"kernel": kind, **dataclasses.asdict(config)}
 
 
-__all__ = ["MLP", "ROW_MAJOR", "SWAP_AB", "clear_tuned", "entry_of", "grouped_config", "lookup",
-           "mlp_config", "neighbours", "row_config", "set_tuned"]
+__all__ = ["MLP", "ROW_MAJOR", "SWAP_AB", "TABLE_FILE", "clear_tuned", "entry_of", "grouped_config",
+           "lookup", "mlp_config", "neighbours", "row_config", "set_tuned", "table_file", "tiles"]

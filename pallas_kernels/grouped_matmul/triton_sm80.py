@@ -8,9 +8,8 @@ Two products, one kernel body (``_grouped_body``):
     products accumulate in two f32 register tiles of the same program and the
     SiTU epilogue runs on those registers (no 2N-wide intermediate in HBM).
 Each has an MXFP4 twin (``*_mxfp4``) taking the weights as packed E2M1 codes
-and UE8M0 scales (docs/spec.md §3, pallas_kernels/mxfp4.py), in the layout KimiMoE stores
-them (``ExpertStorage.MXFP4``, ``mxfp4.Mxfp4Weights``): w_packed_GNH uint8
-[G, N, K/2] (H = K/2; the checkpoint's [out, in] orientation, each column n's
+and UE8M0 scales (docs/spec.md §3), as ``mxfp4.Mxfp4Weights`` holds them:
+w_packed_GNH uint8 [G, N, K/2] (H = K/2; the checkpoint's [out, in] orientation, each column n's
 K/2 bytes contiguous), packed along K in the word layout
 (pallas_kernels.mxfp4_words: each 4 bytes one 32-bit word of 8 codes, K
 elements 8w .. 8w + 7, its bits permuted), read in place, and w_scale_GSN

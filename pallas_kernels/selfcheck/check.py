@@ -5,8 +5,10 @@ Inputs (generated on the device): x [m, k] ~ N(0, 1) in x's dtype; weights
 [g, k, n] ~ N(0, 1/k) in their dtype (MXFP4: random E2M1 codes, scales
 2^-4..2^0); group sizes a random split of m - m // 8 rows over the
 groups, one of them empty when there are 3 or more (so rows past sum(group
-sizes), partial tiles at group boundaries and an empty group occur). The reference is the same dispatch
-on backend "xla" with x and dense weights cast to float32.
+sizes), partial tiles at group boundaries and an empty group occur). The
+kernel runs through its op's dispatch.py entry (launch.launcher); the
+reference is the XLA entry of the same table with x and dense weights cast
+to float32.
 
 Verdicts: "ok" when max |y - ref| / max |ref| <= the tolerance (TOL_BF16 for
 16-bit x and MXFP4 weights, whose kernels multiply in bf16; TOL_F32 for
@@ -16,7 +18,7 @@ check then runs on in a daemon thread, its result discarded).
 
 A launch whose weights are larger than CHECK_WEIGHT_BYTES each is checked
 on fewer groups (check_groups) with the same M rows and the same tiling
-(fixed_tiling_launcher), which still covers every tile kind: full and
+(launch.fixed_tiling_launcher), which still covers every tile kind: full and
 partial tiles, empty groups and the rows past the groups.
 
 The check runs in a thread of its own: there no trace of the caller's is
@@ -35,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.backend import XLA
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.config import KernelConfig, mxfp4_dtypes
+from pallas_kernels.selfcheck.launch import fixed_tiling_launcher, launcher
 
 CHECK_WEIGHT_BYTES = 4 << 30   # per weight: larger launches are checked on fewer groups
 TOL_BF16 = 1e-2
@@ -86,69 +90,6 @@ def check_groups(config: KernelConfig) -> int:
     if config.groups * per_group <= CHECK_WEIGHT_BYTES:
         return config.groups
     return max(1, int(CHECK_WEIGHT_BYTES // per_group))
-
-
-def fixed_tiling_launcher(config: KernelConfig) -> Callable:
-    """A launcher that runs config's own tiling on inputs with fewer groups
-    (the dispatch would re-pick tiles from the smaller shape): the committed
-    pick through tune.launcher on the Mosaic backends, the Triton dispatch's
-    tiles passed explicitly, and the MXFP4 Mosaic kernel the dispatch takes
-    for config's shape, with its block_t (_mxfp4_launcher)."""
-    from pallas_kernels.selfcheck import tune
-
-    if config.backend == "triton":
-        from pallas_kernels.grouped_matmul import api
-        from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
-
-        t = default_tiles(config.m, config.groups, config.num_weights,
-                          jnp.dtype(config.x_dtype).itemsize, config.w_dtype in mxfp4_dtypes())
-        k = api.triton_kernels()
-        b = dict(beta=config.beta, linear_beta=config.linear_beta)
-        if config.w_dtype in mxfp4_dtypes() and config.op == "grouped_matmul":
-            return lambda x, ws, gs: api.triton_y(k.grouped_matmul_mxfp4(
-                api.triton_x(x, ws), ws[0].packed_GNK, ws[0].scale_GKN, gs, config=t), ws)
-        if config.w_dtype in mxfp4_dtypes():
-            return lambda x, ws, gs: api.triton_y(k.grouped_situ_glu_mxfp4(
-                api.triton_x(x, ws), ws[0].packed_GNK, ws[0].scale_GKN, ws[1].packed_GNK,
-                ws[1].scale_GKN, gs, config=t, **b), ws)
-        if config.op == "grouped_matmul":
-            return lambda x, ws, gs: k.grouped_matmul(x, ws[0], gs, config=t)
-        return lambda x, ws, gs: k.grouped_situ_glu(x, ws[0], ws[1], gs, config=t, **b)
-    if config.w_dtype in mxfp4_dtypes():
-        return _mxfp4_launcher(config)
-    return tune.launcher(config, tune.candidates(config)[0])
-
-
-def _mxfp4_launcher(config: KernelConfig) -> Callable:
-    """The Mosaic MXFP4 kernel the dispatch takes for config's own shape
-    (config.tiles), with its block_t, on any groups."""
-    from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4, mosaic_sm90_mxfp4_swap_ab
-
-    block_t = mosaic_sm90_mxfp4_swap_ab.block_t_for(config.m, config.groups, config.num_weights)
-    if block_t is None:
-        module, kwargs = mosaic_sm90_mxfp4, {}
-    else:
-        module = mosaic_sm90_mxfp4_swap_ab
-        kwargs = {"config": mosaic_sm90_mxfp4_swap_ab.Mxfp4SwapABConfig(block_t=block_t)}
-    kwargs["interpret"] = config.backend == "interpret"
-    if config.op == "grouped_matmul":
-        return lambda x, ws, gs: module.grouped_matmul_mxfp4(x, ws[0], gs, **kwargs)
-    return lambda x, ws, gs: module.grouped_situ_glu_mxfp4(
-        x, ws[0], ws[1], gs, beta=config.beta, linear_beta=config.linear_beta, **kwargs)
-
-
-def launcher(config: KernelConfig, backend: str) -> Callable:
-    """(x, weights, group_sizes) -> y through the op's forward dispatch on ``backend``."""
-    from pallas_kernels.grouped_matmul import api
-    from pallas_kernels.situ_mlp import api as mlp_api
-
-    if config.op == "grouped_matmul":
-        return lambda x, ws, gs: api._grouped_matmul_forward(x, ws[0], gs, backend)
-    if config.op == "grouped_situ_glu":
-        return lambda x, ws, gs: api._grouped_situ_glu_forward(
-            x, ws[0], ws[1], gs, config.beta, config.linear_beta, backend)
-    return lambda x, ws, gs: mlp_api._situ_mlp_up_forward(
-        x, ws[0][0], ws[1][0], config.beta, config.linear_beta, backend)
 
 
 def _as_float32(w):
@@ -205,7 +146,7 @@ def _check_now(config: KernelConfig, perturb: bool, launch: Callable | None,
     shape = config if groups == config.groups else dataclasses.replace(config, groups=groups)
     inputs = random_inputs(shape, np.random.default_rng())
     x, ws, gs = inputs["x"], inputs["weights"], inputs["group_sizes"]
-    ref = jax.jit(launcher(shape, "xla"))(x.astype(jnp.float32), [_as_float32(w) for w in ws], gs)
+    ref = jax.jit(launcher(shape, XLA))(x.astype(jnp.float32), [_as_float32(w) for w in ws], gs)
     ref = np.asarray(jax.device_get(ref), np.float64)
     try:
         if launch is None:

@@ -6,9 +6,12 @@ MXFP4 weights whose dequant is FAST, "mxfp4-exact" for EXACT ones: the
 Mosaic backends run different kernels for them), packed weights' K order
 (Mxfp4Weights.k_order_axis: the Mosaic kernels take x, or give y, in
 another order for it), the tiling the backend's dispatch picks for that
-shape, the resolved backend, and the SiTU betas of the fused ops. ``name`` is its
-printable form (the selfcheck table, the warning lines and
-K3JAX_SELFCHECK_PERTURB use it).
+shape, the resolved backend (a KernelBackend of a kernel family: Mosaic,
+compiled or interpreted, or Triton), and the SiTU betas of the fused ops.
+``name`` is its printable form (the selfcheck table, the warning lines and
+K3JAX_SELFCHECK_PERTURB use it); ``to_json`` the cache key's half, the
+backend by its name. ``table_key`` is the launch's key in the committed
+tile table.
 
 ``environment()`` is the rest of a cache key: device kind, the runtime's
 platform version (the CUDA version on a GPU), the NVIDIA driver's version
@@ -27,10 +30,22 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import describe_devices
+from pallas_kernels.backend import (
+    INTERPRET,
+    PALLAS,
+    TRITON,
+    Backend,
+    BackendName,
+    Family,
+    KernelBackend,
+    describe_devices,
+    parse_backend,
+    resolve,
+)
 
 OPS = ("grouped_matmul", "grouped_situ_glu", "situ_mlp_up")
-CHECKED_BACKENDS = ("pallas", "interpret", "triton")
+CHECKED_FAMILIES = (Family.MOSAIC, Family.TRITON)   # XLA launches are never checked
+CHECKED_BACKENDS = tuple(b.name for b in (PALLAS, INTERPRET, TRITON))
 MXFP4 = "mxfp4"   # w_dtype of packed MXFP4 weights, dequant FAST
 MXFP4_EXACT = "mxfp4-exact"   # w_dtype of packed MXFP4 weights, dequant EXACT
 
@@ -48,7 +63,8 @@ class KernelConfig:
     op: one of OPS; m, k, n, groups: x [m, k] times weights [groups, k, n]
     (situ_mlp_up: groups 1); x_dtype / w_dtype: dtype names (w_dtype MXFP4 or
     MXFP4_EXACT for packed weights, by their dequant); tiles: the tiling's
-    printable form (``tiles_of``); backend: one of CHECKED_BACKENDS; beta /
+    printable form (``tiles_of``); backend: a KernelBackend of one of
+    CHECKED_FAMILIES (a name in CHECKED_BACKENDS is read as one); beta /
     linear_beta: the SiTU betas of the fused ops (None for grouped_matmul);
     k_order_axis: packed weights' Mxfp4Weights.k_order_axis (None, 1 or 2;
     None for other weights).
@@ -62,7 +78,7 @@ class KernelConfig:
     x_dtype: str
     w_dtype: str
     tiles: str
-    backend: str
+    backend: KernelBackend
     beta: float | None = None
     linear_beta: float | None = None
     k_order_axis: int | None = None
@@ -70,9 +86,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"KernelConfig: op {self.op!r} is not one of {OPS}")
-        if self.backend not in CHECKED_BACKENDS:
-            raise ValueError(f"KernelConfig: backend {self.backend!r} is not one of "
-                             f"{CHECKED_BACKENDS}")
+        object.__setattr__(self, "backend", checked_backend(self.backend))
         if self.k_order_axis not in (None, 1, 2):
             raise ValueError(f"KernelConfig: k_order_axis must be None, 1 or 2, got "
                              f"{self.k_order_axis!r}")
@@ -93,10 +107,30 @@ class KernelConfig:
                  f":b{self.beta:g}" + ("" if self.linear_beta is None else f"/l{self.linear_beta:g}"))
         order = "" if self.k_order_axis is None else f"-k{self.k_order_axis}"
         return (f"{self.op}:m{self.m},k{self.k},n{self.n},g{self.groups}:"
-                f"{self.x_dtype}/{self.w_dtype}{order}:{self.tiles}:{self.backend}{betas}")
+                f"{self.x_dtype}/{self.w_dtype}{order}:{self.tiles}:{self.backend.name}{betas}")
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as JSON values (the backend by its name)."""
+        return {**dataclasses.asdict(self), "backend": self.backend.name}
+
+
+def checked_backend(backend: Backend) -> KernelBackend:
+    """``backend`` (a KernelBackend or a name other than "auto") as a
+    KernelBackend of one of CHECKED_FAMILIES; ValueError otherwise."""
+    if not isinstance(backend, KernelBackend) and parse_backend(backend) is BackendName.AUTO:
+        raise ValueError(f"KernelConfig: backend {backend!r} is not one of {CHECKED_BACKENDS}")
+    resolved = resolve(backend)
+    if resolved.family not in CHECKED_FAMILIES:
+        raise ValueError(f"KernelConfig: backend {resolved.name!r} is not one of "
+                         f"{CHECKED_BACKENDS}")
+    return resolved
+
+
+def table_key(config: KernelConfig) -> tuple:
+    """The committed table's key of this launch: (op, M, K, N, groups, num_weights, dtype)."""
+    dtype = jnp.result_type(jnp.dtype(config.x_dtype), jnp.dtype(config.w_dtype)).name
+    op = "mlp" if config.op == "situ_mlp_up" else "grouped"
+    return (op, config.m, config.k, config.n, config.groups, config.num_weights, dtype)
 
 
 def describe_tiles(kind: str, tiles: object | None) -> str:
@@ -108,13 +142,13 @@ def describe_tiles(kind: str, tiles: object | None) -> str:
 
 
 def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype: str,
-             backend: str) -> str:
+             backend: KernelBackend) -> str:
     """The tiling the backend's dispatch picks for this launch from the
     committed table (a tuned pick aside), printed."""
     from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
 
     num_weights = 1 if op == "grouped_matmul" else 2
-    if backend == "triton":
+    if backend.family is Family.TRITON:
         from pallas_kernels.grouped_matmul.triton_sm80 import default_tiles
         return describe_tiles("triton", default_tiles(m, groups, num_weights,
                                                       jnp.dtype(x_dtype).itemsize,
@@ -137,11 +171,14 @@ def tiles_of(op: str, m: int, k: int, n: int, groups: int, x_dtype: str, w_dtype
     return describe_tiles("row_major", mosaic_sm90.default_config(m, groups, num_weights))
 
 
-def grouped_config(op: str, x_MK, w_GKN, backend: str, beta: float | None = None,
+def grouped_config(op: str, x_MK, w_GKN, backend: Backend, beta: float | None = None,
                    linear_beta: float | None = None) -> KernelConfig:
     """The KernelConfig of a grouped launch (x_MK [M, K], w_GKN [G, K, N] array
-    or Mxfp4Weights; only shapes and dtypes are read: tracers are fine)."""
+    or Mxfp4Weights; only shapes and dtypes are read: tracers are fine) on
+    ``backend`` (checked_backend)."""
     from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
+
+    backend = checked_backend(backend)
 
     m, k = x_MK.shape
     groups, _, n = w_GKN.shape
@@ -158,9 +195,11 @@ def grouped_config(op: str, x_MK, w_GKN, backend: str, beta: float | None = None
                         k_order_axis=k_order_axis)
 
 
-def mlp_config(x_TD, gate_DF, backend: str, beta: float,
+def mlp_config(x_TD, gate_DF, backend: Backend, beta: float,
                linear_beta: float | None) -> KernelConfig:
-    """The KernelConfig of a situ_mlp_up launch (x_TD [T, D], gate_DF [D, F])."""
+    """The KernelConfig of a situ_mlp_up launch (x_TD [T, D], gate_DF [D, F])
+    on ``backend`` (checked_backend)."""
+    backend = checked_backend(backend)
     m, k = x_TD.shape
     n = gate_DF.shape[1]
     x_dtype, w_dtype = jnp.dtype(x_TD.dtype).name, jnp.dtype(gate_DF.dtype).name
@@ -178,10 +217,11 @@ _SOURCE_FILES = ("situ.py", "mxfp4.py", "interpret_compat.py", "backend.py", "ha
 
 @functools.cache
 def source_hash() -> str:
-    """sha256 (16 hex digits) over the kernel source files, by relative path."""
+    """sha256 (16 hex digits) over the kernel source files and the package's
+    data (the tile table), by relative path."""
     root = pathlib.Path(__file__).resolve().parent.parent
     paths = sorted([p for d in _SOURCE_DIRS for p in (root / d).glob("*.py")]
-                   + [root / f for f in _SOURCE_FILES])
+                   + [root / f for f in _SOURCE_FILES] + sorted((root / "data").glob("*.json")))
     digest = hashlib.sha256()
     for path in paths:
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")

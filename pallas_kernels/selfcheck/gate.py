@@ -5,8 +5,10 @@ backend (pallas, interpret, triton) asks ``trusted_backend(config)`` at
 trace time which backend to run. The first time in a process it sees a
 configuration, it reads the cache (pallas_kernels.selfcheck.cache) or, on a
 miss, runs the check (pallas_kernels.selfcheck.check) eagerly and stores
-its result. A configuration whose check failed runs "xla", and k3jax prints
-one warning line naming it and the error (once per process).
+its result. A configuration whose check failed runs XLA, and k3jax prints
+one warning line naming it and the error (once per process). Backends
+here are KernelBackend values; ``Record.backend`` and ``agree`` speak
+their names (the text the processes exchange).
 
 Environment:
   K3JAX_SELFCHECK          unset / "1": check; "0": no check (the kernel
@@ -34,13 +36,13 @@ import fnmatch
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
+from pallas_kernels.backend import XLA, Backend, Family, KernelBackend, resolve
 from pallas_kernels.selfcheck import cache, tune
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.check import run_check
 from pallas_kernels.selfcheck.config import (
-    CHECKED_BACKENDS,
     KernelConfig,
     environment,
     grouped_config,
@@ -61,15 +63,21 @@ class SelfCheckError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """What one configuration runs: ``backend`` (its kernel's, or "xla"
-    after a failed check); ``result`` the check's (None: not checked);
-    ``cached`` whether the result came from the cache; ``cache_file``."""
+    """What one configuration runs: ``kernel_backend`` (its kernel's, or XLA
+    after a failed check; ``backend`` its name); ``result`` the check's
+    (None: not checked); ``cached`` whether the result came from the cache;
+    ``cache_file``."""
 
     config: KernelConfig
-    backend: str
+    kernel_backend: KernelBackend
     result: CheckResult | None
     cached: bool
     cache_file: str | None
+
+    @property
+    def backend(self) -> str:
+        """The name of the backend it runs ("xla" after a failed check)."""
+        return self.kernel_backend.name
 
     def to_json(self) -> dict:
         r = self.result
@@ -85,7 +93,7 @@ class Record:
 
 _LOCK = threading.RLock()
 _RECORDS: dict[str, Record] = {}
-_AGREED: dict[str, str] = {}
+_AGREED: dict[str, KernelBackend] = {}
 _NOTES: set[str] = set()
 _FORCED_MODE: list[str] = []
 _FORCED_TUNE: list[bool] = []
@@ -193,7 +201,7 @@ def decide(config: KernelConfig) -> Record:
                 result = check(config)
                 path = save(config, result)
             tune.install(config, result)
-            record = Record(config, config.backend if result.ok else "xla", result, cached, path)
+            record = Record(config, config.backend if result.ok else XLA, result, cached, path)
             _RECORDS[config.name] = record
     if not record.result.ok:
         line = warning_line(config, record.result)
@@ -218,9 +226,9 @@ def collecting() -> Iterator[list[KernelConfig]]:
             _COLLECTING.remove(found)
 
 
-def trusted_backend(config: KernelConfig) -> str:
+def trusted_backend(config: KernelConfig) -> KernelBackend:
     """The backend ``config`` runs: an agreed one (``agree``), else its own
-    kernel's when the check passes (or is off), else "xla"."""
+    kernel's when the check passes (or is off), else XLA."""
     with _LOCK:
         if _COLLECTING:
             if config not in _COLLECTING[-1]:
@@ -230,20 +238,27 @@ def trusted_backend(config: KernelConfig) -> str:
             return _AGREED[config.name]
     if mode() == "0":
         return config.backend
-    return decide(config).backend
+    return decide(config).kernel_backend
 
 
-def grouped(op: str, x_MK, w_GKN, backend: str, beta: float | None = None,
-            linear_beta: float | None = None) -> str:
-    """trusted_backend of a grouped launch ("xla" launches pass through)."""
-    if backend not in CHECKED_BACKENDS or (mode() == "0" and not (_AGREED or _COLLECTING)):
+def _passes_through(backend: KernelBackend) -> bool:
+    """XLA launches are never checked; with the check off (and nothing agreed
+    or collected) no launch needs its KernelConfig."""
+    return backend.family is Family.XLA or (mode() == "0" and not (_AGREED or _COLLECTING))
+
+
+def grouped(op: str, x_MK, w_GKN, backend: KernelBackend, beta: float | None = None,
+            linear_beta: float | None = None) -> KernelBackend:
+    """trusted_backend of a grouped launch (XLA launches pass through)."""
+    if _passes_through(backend):
         return backend
     return trusted_backend(grouped_config(op, x_MK, w_GKN, backend, beta, linear_beta))
 
 
-def mlp(x_TD, gate_DF, backend: str, beta: float, linear_beta: float | None) -> str:
-    """trusted_backend of a situ_mlp_up launch ("xla" launches pass through)."""
-    if backend not in CHECKED_BACKENDS or (mode() == "0" and not (_AGREED or _COLLECTING)):
+def mlp(x_TD, gate_DF, backend: KernelBackend, beta: float,
+        linear_beta: float | None) -> KernelBackend:
+    """trusted_backend of a situ_mlp_up launch (XLA launches pass through)."""
+    if _passes_through(backend):
         return backend
     return trusted_backend(mlp_config(x_TD, gate_DF, backend, beta, linear_beta))
 
@@ -254,10 +269,12 @@ def records() -> list[Record]:
         return list(_RECORDS.values())
 
 
-def agree(backends: dict[str, str]) -> None:
-    """Install the backends (config name -> backend) that every process agreed on."""
+def agree(backends: Mapping[str, Backend]) -> None:
+    """Install the backends (config name -> backend name or KernelBackend)
+    that every process agreed on."""
+    resolved = {name: resolve(backend) for name, backend in backends.items()}
     with _LOCK:
-        _AGREED.update(backends)
+        _AGREED.update(resolved)
 
 
 def reset() -> None:

@@ -8,7 +8,8 @@ most MAX_CANDIDATES, the committed pick first (tile_choice.neighbours; the
 table's own ranking lives in analysis/, which the runtime does not import).
 MXFP4 weights and the Triton backend have one tiling here: nothing to tune.
 
-Each candidate is checked (check.run_check with its own launcher) and, when
+Each candidate is checked (check.run_check with its own launcher,
+launch.tiling_launcher) and, when
 it passes, timed: the median of K3JAX_TUNE_REPEATS (default 20) runs after
 one untimed run. The pick is the fastest that passed; ``install`` makes it
 the launch's tiling in this process (tile_choice.set_tuned). In interpret
@@ -17,13 +18,20 @@ mode the times mean nothing, but the mechanism runs end to end.
 
 from __future__ import annotations
 
+import json
 import os
 
-import jax.numpy as jnp
-
+from pallas_kernels.backend import Family
 from pallas_kernels.selfcheck.cache import CheckResult
 from pallas_kernels.selfcheck.check import run_check
-from pallas_kernels.selfcheck.config import KernelConfig, describe_tiles, mxfp4_dtypes, positive_env
+from pallas_kernels.selfcheck.config import (
+    KernelConfig,
+    describe_tiles,
+    mxfp4_dtypes,
+    positive_env,
+    table_key,
+)
+from pallas_kernels.selfcheck.launch import committed_entry, tiling_launcher
 
 TUNE_ENV = "K3JAX_AUTOTUNE"
 REPEATS_ENV = "K3JAX_TUNE_REPEATS"
@@ -40,29 +48,19 @@ def repeats() -> int:
     return positive_env(REPEATS_ENV, DEFAULT_REPEATS, int, "a positive integer")
 
 
-def table_key(config: KernelConfig) -> tuple:
-    """The committed table's key of this launch: (op, M, K, N, groups, num_weights, dtype)."""
-    dtype = jnp.result_type(jnp.dtype(config.x_dtype), jnp.dtype(config.w_dtype)).name
-    op = "mlp" if config.op == "situ_mlp_up" else "grouped"
-    return (op, config.m, config.k, config.n, config.groups, config.num_weights, dtype)
-
-
 def candidates(config: KernelConfig) -> list[dict]:
     """Table entries ({"kernel": ..., **fields}) to time (module docstring); [] when
     there is nothing to tune."""
-    from pallas_kernels.grouped_matmul import mosaic_sm90, tile_choice
+    from pallas_kernels.grouped_matmul import tile_choice
 
-    if config.backend not in ("pallas", "interpret") or config.w_dtype in mxfp4_dtypes() or config.m == 0:
+    if (config.backend.family is not Family.MOSAIC or config.w_dtype in mxfp4_dtypes()
+            or config.m == 0):
         return []
     op, m, k, n, groups, num_weights, dtype = table_key(config)
-    own = tile_choice.lookup(op, m, k, n, groups, num_weights, dtype, tuned=False)[1]
-    if op == "mlp":
-        own = own or mosaic_sm90.default_config(m, 1, 2)
-    found = [own, *tile_choice.neighbours(op, m, k, n, groups, num_weights, dtype,
-                                          MAX_CANDIDATES + 1)]
+    found = tile_choice.neighbours(op, m, k, n, groups, num_weights, dtype, MAX_CANDIDATES + 1)
     if op == "grouped":
-        found.append(None)   # the row-major kernel
-    entries: list[dict] = []
+        found = [*found, None]   # the row-major kernel
+    entries: list[dict] = [committed_entry(config)]
     for cfg in found:
         entry = tile_choice.entry_of(cfg, op)
         if entry not in entries:
@@ -75,31 +73,6 @@ def label(entry: dict, op: str) -> str:
     return describe_tiles(entry["kernel"], tile_choice.row_config(entry))
 
 
-def launcher(config: KernelConfig, entry: dict):
-    """(x, weights, group_sizes) -> y with the tiling ``entry`` (row-major: the
-    default tiles of config's shape), on config's backend; the tiling stays
-    fixed when the inputs have fewer groups than ``config``."""
-    from pallas_kernels.grouped_matmul import mosaic_sm90, mosaic_sm90_swap_ab, tile_choice
-    from pallas_kernels.situ_mlp import mosaic_sm90 as mlp_kernel
-
-    cfg = tile_choice.row_config(entry)
-    interpret = config.backend == "interpret"
-    beta, linear_beta = config.beta, config.linear_beta
-    if config.op == "situ_mlp_up":
-        return lambda x, ws, gs: mlp_kernel.situ_mlp_up(x, ws[0][0], ws[1][0], beta=beta,
-                                                        linear_beta=linear_beta, config=cfg,
-                                                        interpret=interpret)
-    module = mosaic_sm90 if cfg is None else mosaic_sm90_swap_ab
-    # row-major: the default tiles of config's own shape, also on fewer groups (check.py)
-    extra = {"config": cfg or mosaic_sm90.default_config(config.m, config.groups,
-                                                           config.num_weights)}
-    if config.op == "grouped_matmul":
-        return lambda x, ws, gs: module.grouped_matmul(x, ws[0], gs, interpret=interpret, **extra)
-    return lambda x, ws, gs: module.grouped_situ_glu(x, ws[0], ws[1], gs, beta=beta,
-                                                     linear_beta=linear_beta,
-                                                     interpret=interpret, **extra)
-
-
 def tune(config: KernelConfig, *, timeout_s: float, perturb: bool) -> CheckResult | None:
     """Check and time every candidate; the fastest passing one as the
     configuration's result (``tuned`` set, every candidate's time in
@@ -110,7 +83,7 @@ def tune(config: KernelConfig, *, timeout_s: float, perturb: bool) -> CheckResul
         return None
     table_op = table_key(config)[0]
     results = [(entry, run_check(config, timeout_s=timeout_s, perturb=perturb,
-                                 launch=launcher(config, entry), repeats=repeats()))
+                                 launch=tiling_launcher(config, entry), repeats=repeats()))
                for entry in entries]
     passed = [(r.timings_us["median_us"], i) for i, (_, r) in enumerate(results) if r.ok]
     seconds = sum(r.seconds for _, r in results)
@@ -134,15 +107,14 @@ def install(config: KernelConfig, result: CheckResult) -> None:
 
 
 def export_text(picks: dict[tuple, dict], environment: dict[str, str]) -> str:
-    """A module in the committed table's format (tile_table.py: ``TILES =
-    {key: entry}``) holding ``picks`` (table_key -> tuned_entry), for
-    review and merging into pallas_kernels/grouped_matmul/tile_table.py."""
-    lines = ['"""Tuned tile picks written by `k3jax tune --export`, in the format of',
-             "pallas_kernels/grouped_matmul/tile_table.py (key: (op, M bucket, K, N, groups,",
-             "num_weights, dtype); an entry: {'kernel': ..., **the config's fields}).",
-             "",
-             "Measured on: " + ", ".join(f"{k} {v}" for k, v in sorted(environment.items())),
-             '"""', "# ruff: noqa: E501", "", "TILES = {"]
-    lines += [f"    {key!r}: {picks[key]!r}," for key in sorted(picks)]
-    lines += ["}", ""]
-    return "\n".join(lines)
+    """A JSON document in the committed tile table's format
+    (pallas_kernels/data/tile_table.json: rows ``{"key": [op, M bucket, K,
+    N, groups, num_weights, dtype], "entry": {"kernel": ..., **the config's
+    fields}}``) holding ``picks`` (table_key -> tuned_entry), for review and
+    merging into the committed table."""
+    doc = {"generated_by": "k3jax tune --export",
+           "description": ["Tuned tile picks, measured on: "
+                           + ", ".join(f"{k} {v}" for k, v in sorted(environment.items()))],
+           "key_fields": ["op", "m_bucket", "k", "n", "groups", "num_weights", "dtype"],
+           "tiles": [{"key": list(key), "entry": picks[key]} for key in sorted(picks)]}
+    return json.dumps(doc, indent=1) + "\n"

@@ -1,10 +1,12 @@
 """Public fused MLP up-projection (gate/up + SiTU-GLU); down stays in the caller.
 
-Dispatch: "xla" -> reference.py, "pallas" -> mosaic_sm90.py, "interpret" ->
-mosaic_sm90.py in GPU interpret mode, "triton" -> triton_sm80.py (CUDA sm_80+),
-"auto" -> "pallas" on sm_90, "triton" on other CUDA GPUs, else "xla".
-Differentiable in x and both weights on every backend: vjp.py wraps the
-dispatch below in a jax.custom_vjp.
+Validate, resolve the backend once, ask the first-use gate
+(pallas_kernels.selfcheck.gate) which backend this configuration may run,
+then run that backend's entry of dispatch.py's table (XLA reference.py,
+Mosaic mosaic_sm90.py compiled or in the GPU interpret mode, Triton
+triton_sm80.py on CUDA sm_80+; "auto" is Mosaic on sm_90, Triton on other
+CUDA GPUs, else XLA). Differentiable in x and both weights on every
+backend: vjp.py wraps the entry in a jax.custom_vjp.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import Backend, resolve_backend
-from pallas_kernels.grouped_matmul.api import triton_kernels
+from pallas_kernels.backend import Backend, resolve
 from pallas_kernels.selfcheck import gate as selfcheck
 from pallas_kernels.situ import check_betas
-from pallas_kernels.situ_mlp import mosaic_sm90, reference, vjp
+from pallas_kernels.situ_mlp import dispatch, vjp
 
 
 def validate_mlp(x_TD, gate_DF, up_DF) -> None:
@@ -40,21 +41,10 @@ def situ_mlp_up(x_TD: jax.Array, gate_DF: jax.Array, up_DF: jax.Array, *, beta: 
 
     Differentiable in all three arrays (vjp.situ_mlp_up: recomputes gate/up).
     The kernel runs once its configuration has passed pallas_kernels.selfcheck's
-    check (else the xla path).
+    check (else the XLA path).
     """
     validate_mlp(x_TD, gate_DF, up_DF)
     check_betas(beta, linear_beta)
-    impl = selfcheck.mlp(x_TD, gate_DF, resolve_backend(backend), beta, linear_beta)
-    return vjp.situ_mlp_up(_situ_mlp_up_forward, impl, x_TD, gate_DF, up_DF, beta, linear_beta)
+    kernels = dispatch.kernels(selfcheck.mlp(x_TD, gate_DF, resolve(backend), beta, linear_beta))
+    return vjp.situ_mlp_up(kernels, x_TD, gate_DF, up_DF, beta, linear_beta)
 
-
-def _situ_mlp_up_forward(x_TD, gate_DF, up_DF, beta, linear_beta, impl):
-    """The forward dispatch of situ_mlp_up (validated inputs, resolved backend)."""
-    if impl == "xla":
-        return reference.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
-    if impl == "triton":
-        triton_kernels()  # a clear error without the triton extra
-        from pallas_kernels.situ_mlp import triton_sm80
-        return triton_sm80.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta)
-    return mosaic_sm90.situ_mlp_up(x_TD, gate_DF, up_DF, beta=beta, linear_beta=linear_beta,
-                                   interpret=impl == "interpret")

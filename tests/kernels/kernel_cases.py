@@ -236,7 +236,7 @@ def use_tile_rows(monkeypatch, rows: dict) -> None:
     import dataclasses
     import functools
 
-    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, tile_choice, tile_table
+    from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab, tile_choice
 
     def entry(cfg):
         if cfg is None:
@@ -244,6 +244,7 @@ def use_tile_rows(monkeypatch, rows: dict) -> None:
         kind = (tile_choice.SWAP_AB if isinstance(cfg, mosaic_sm90_swap_ab.SwapABConfig)
                 else tile_choice.MLP)
         return {"kernel": kind, **dataclasses.asdict(cfg)}
-    monkeypatch.setattr(tile_table, "TILES", {key: entry(cfg) for key, cfg in rows.items()})
+    patched = {key: entry(cfg) for key, cfg in rows.items()}
+    monkeypatch.setattr(tile_choice, "tiles", lambda: patched)
     # a fresh index over the patched rows; the committed table's comes back after the test
     monkeypatch.setattr(tile_choice, "_index", functools.cache(tile_choice._index.__wrapped__))

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
-from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, reference, vjp
+from pallas_kernels.backend import resolve
+from pallas_kernels.grouped_matmul import blocked, blocked_tgmm, dispatch, reference
 from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -82,13 +83,13 @@ def test_tgmm_matches_float64_and_ragged_dot(case, dtype):
 
 def test_tgmm_out_dtype_and_the_triton_dispatch():
     """float32 out from bf16 operands (one rounding of the f32 sum), and the
-    Triton backend's dw is this scan (vjp.tgmm; it needs no GPU)."""
+    Triton backend's dw is this scan (dispatch.py's tgmm; it needs no GPU)."""
     x, dy, sizes = _inputs((300, 32, 48, 4, "sum_lt_m"), BF16, seed=1)
     out = blocked_tgmm.tgmm(x, dy, jnp.asarray(sizes), out_dtype=F32)
     assert out.dtype == F32
     kc.assert_close(out, kc.np_tgmm(x, dy, sizes), kc.TOL_F32, "f32 out")
-    for impl in ("xla", "triton"):
-        got = vjp.tgmm(x, dy, jnp.asarray(sizes), impl, F32)
+    for backend in ("xla", "triton"):
+        got = dispatch.kernels(resolve(backend)).tgmm(x, dy, jnp.asarray(sizes), F32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(out))
     with pytest.raises(ValueError, match="dy_MN rows 10 != x_MK rows 300"):
         blocked_tgmm.tgmm(x, dy[:10], jnp.asarray(sizes))

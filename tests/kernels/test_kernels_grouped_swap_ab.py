@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc  # noqa: E402
 import tiers  # noqa: E402
 from k3jax.tools import kernel_cost, tile_search
-from pallas_kernels.grouped_matmul import api, schedule, tile_choice, tile_table  # noqa: E402
+from pallas_kernels.grouped_matmul import api, dispatch, schedule, tile_choice  # noqa: E402
 from pallas_kernels.grouped_matmul import mosaic_sm90_swap_ab as dec
 from scripts import write_tile_table  # noqa: E402
 
@@ -162,7 +162,7 @@ def _k3_rows(tokens=None):
     x top_k rows, or all), op "gate_up_situ" (two weights) or "down"."""
     inp = write_tile_table.K3_SHAPES
     out = []
-    for key, entry in tile_table.TILES.items():
+    for key, entry in tile_choice.tiles().items():
         op, m, k, n, _, num_w, _ = key
         if op != "grouped" or (k, n) not in ((inp.latent, inp.inter), (inp.inter, inp.latent)):
             continue
@@ -269,9 +269,9 @@ def test_launcher_dispatch_runs_the_tables_swap_ab_tiling(monkeypatch):
     cfg = SwapABConfig(num_compute_wgs=1, wg_block_w=64, block_t=8, max_concurrent_steps=2)
     specs = (jax.ShapeDtypeStruct((m, k), BF16), jax.ShapeDtypeStruct((8, k, n), BF16))
     kc.use_tile_rows(monkeypatch, {})
-    assert api.swap_ab_config(*specs, 1) is None
+    assert dispatch.swap_ab_config(*specs, 1) is None
     kc.use_tile_rows(monkeypatch, {("grouped", 32, k, n, 8, 1, "bfloat16"): cfg})
-    assert api.swap_ab_config(*specs, 1) == cfg
+    assert dispatch.swap_ab_config(*specs, 1) == cfg
     calls = kc.spy_swap_ab_launches(monkeypatch)
     x, (w,) = kc.grouped_inputs(3, m, k, n, len(sizes), BF16, 1)
     x = kc.poison_tail(x, sizes)

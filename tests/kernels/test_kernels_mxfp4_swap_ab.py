@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases as kc
 import tiers
 from pallas_kernels import grouped_matmul, grouped_situ_glu
+from pallas_kernels.grouped_matmul import dispatch
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4 as mk
 from pallas_kernels.grouped_matmul import mosaic_sm90_mxfp4_swap_ab as sw
-from pallas_kernels.grouped_matmul import mxfp4_vjp
 from pallas_kernels.mxfp4 import Mxfp4Dequant, Mxfp4Weights, k_order_index
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -75,7 +75,7 @@ def test_fast_kernel_matches_float64_of_the_decoded_codes(case, dtype):
 
 
 def test_k_ordered_chain_matches_the_stored_order_with_its_gradient():
-    """The MoE's experts with Layout.mxfp4_k_order's weights (w1 / w3
+    """The MoE's experts with Mxfp4Format.k_order's weights (w1 / w3
     k_order_axis 2, w2 1) at decode sizes (the swap-AB kernels): h comes out
     of the gate/up in k_order and the down product, and x's gradient
     through both (mxfp4_vjp's blocked backward), are those of the weights in
@@ -144,16 +144,16 @@ def test_block_t_follows_the_expected_rows():
 
 
 def test_dispatch_takes_the_kernel_with_fewer_weight_reads():
-    """mxfp4_vjp.kernel_module follows block_t_for: this kernel at decode and
+    """dispatch.mxfp4_module follows block_t_for: this kernel at decode and
     for the plain product at prefill, the row-major one for the fused
     product at prefill."""
     def w(g):
         return Mxfp4Weights(jax.ShapeDtypeStruct((g, 3072, 1792), jnp.uint8),
                             jax.ShapeDtypeStruct((g, 112, 3072), jnp.uint8), Mxfp4Dequant.FAST)
     decode, prefill = (jax.ShapeDtypeStruct((m, 3584), BF16) for m in (256, 65536))
-    assert mxfp4_vjp.kernel_module(decode, w(112), 2) is sw
-    assert mxfp4_vjp.kernel_module(prefill, w(112), 1) is sw
-    assert mxfp4_vjp.kernel_module(prefill, w(112), 2) is mk
+    assert dispatch.mxfp4_module(decode, w(112), 2) is sw
+    assert dispatch.mxfp4_module(prefill, w(112), 1) is sw
+    assert dispatch.mxfp4_module(prefill, w(112), 2) is mk
 
 
 def test_bad_input_is_named():

@@ -77,7 +77,7 @@ def test_mxfp4_kernel_compiles_for_sm90a(op, phase):
     found = kernel_reports(f"{op}_mxfp4 ep=8 tokens={TOKENS[phase]}")
     base = "grouped_situ_glu" if op == "gate_up_situ" else "grouped_matmul"
     num_w = SHAPES[op][2]
-    # the fast kernel the dispatch takes (mxfp4_vjp.kernel_module)
+    # the fast kernel the dispatch takes (dispatch.mxfp4_module)
     block_t = sw.block_t_for(TOKENS[phase] * TOP_K, LOCAL_EXPERTS, num_w)
     kind, suffix = ("row_major", "_mxfp4_m64") if block_t is None else \
         ("swap_ab", f"_mxfp4_swap_ab_t{block_t}")

@@ -252,7 +252,7 @@ def test_triton_target_scope():
     ("tpu", "", True, "xla"),
 ])
 def test_auto_choice(platform, capability, installed, expected):
-    assert choose_backend(DeviceDescription(platform, capability, installed)) == expected
+    assert choose_backend(DeviceDescription(platform, capability, installed)).name == expected
 
 
 def test_auto_on_this_host_and_triton_dispatch(monkeypatch):
