@@ -32,6 +32,8 @@ LAYOUTS = {
 }
 # (backend, tokens): the XLA path at two sizes (memory must grow linearly in T),
 # the Pallas kernels at the smaller as the yardstick
+BACKENDS = ("xla", "pallas")
+"""The backends measured, in the table's order."""
 CASES = (("xla", 8192), ("xla", 32768), ("pallas", 8192))
 # the ring form of the sharded shared expert (auto picks per token count; the
 # training step is measured on one form at both sizes)
@@ -91,7 +93,7 @@ def table(raw: Path) -> str:
              "| compile s | commit | date |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (layout, backend, tokens), r in sorted(rows.items(), key=lambda kv: (
-            list(LAYOUTS).index(kv[0][0]), kv[0][1] != "xla", kv[0][2])):
+            list(LAYOUTS).index(kv[0][0]), BACKENDS.index(kv[0][1]), kv[0][2])):
         rep = r["report"]
         b = rep["per_device_bytes"]
         temp = b["temporaries"]
@@ -114,7 +116,7 @@ def table(raw: Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--raw", type=Path, default=RESULTS / "training_memory")
-    ap.add_argument("--only", choices=("xla", "pallas"), help="measure only this backend")
+    ap.add_argument("--only", choices=BACKENDS, help="measure only this backend")
     ap.add_argument("--tokens", type=int, help="measure only this token count")
     ap.add_argument("--layout", choices=list(LAYOUTS), help="measure only this layout")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per compile")

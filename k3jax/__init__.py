@@ -54,7 +54,8 @@ _EXPORTS = {
                      "Mxfp4ShardError", "make_layout", "mlp_layout", "padded_moe_intermediate"),
     "k3jax.formats": ("ExpertStorage", "WeightFormat", "get_format", "register_format"),
     "k3jax.modules": ("AbstractSource", "KimiMLP", "KimiMoE", "ParamSource", "RandomSource",
-                      "build_layer"),
+                      "RngsSource", "build_layer"),
+    "k3jax.variables": ("WEIGHTS", "PackedWeight", "RouterBias", "update_router_bias"),
     "k3jax.ops": ("SiTU", "rms_norm", "route", "routed_experts", "situ_mlp"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

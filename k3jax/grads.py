@@ -10,21 +10,24 @@ mirror the forward's (all-gather <-> reduce-scatter over the same axes), and
 the gradients of weights replicated over the token axes are all-reduced over
 those axes (each device saw only its own rows).
 
-Trainable: the floating-point ``nnx.Param``s, except the router's
-``router_bias_E`` (checkpoint ``gate.e_score_correction_bias``), which only
-selects experts: top-k selection is piecewise constant, so its gradient is
-zero; K3 adjusts it by load balancing instead (notebook 04). Gradients reach
-the router weights through the selected sigmoid scores, not through the
-selection.
+Trainable: the ``nnx.Param``s (k3jax.variables). The router's
+``router_bias_E`` (checkpoint ``gate.e_score_correction_bias``) is a
+``RouterBias``: it only selects experts, top-k selection is piecewise
+constant, so its gradient is zero; K3 moves it by load balancing instead
+(``k3jax.variables.update_router_bias``, notebook 04). Gradients reach the
+router weights through the selected sigmoid scores, not through the
+selection. Routed experts in a packed format (k3jax.formats; e.g. MXFP4's
+uint8 codes and scales) are ``PackedWeight``s: their integer arrays have no
+gradient; the gradient flows through their dequantized values to the input
+and the other weights only. So plain ``nnx.grad`` and ``nnx.Optimizer(...,
+wrt=nnx.Param)`` train exactly these weights; ``LayerGrads.frozen`` names
+every weight left out, and :func:`trainable` (``nnx.Param``) is the filter.
 
-Frozen: routed experts in a packed format (k3jax.formats; e.g. MXFP4's uint8
-codes and scales): their integer arrays have no gradient; the gradient flows
-through their dequantized values to the input and the other weights only.
-``LayerGrads.frozen`` names every parameter left out, and :func:`trainable`
-is the nnx filter that decides.
-
-``checkpoint_tensors`` turns gradients (or weights) into the checkpoint's
-tensors (docs/spec.md §3 names, [out, in], one per expert, MoE padding removed).
+``checkpoint_tensors`` (k3jax.checkpoint.save) turns gradients (or weights)
+into the checkpoint's tensors (docs/spec.md §3 names, [out, in], one per
+expert, MoE padding removed). With redundant expert slots the gradients
+here are per slot; ``checkpoint_tensors(..., replicas="sum")`` sums each
+logical expert's slots, giving the gradient of the layer without them.
 """
 
 from __future__ import annotations
@@ -32,29 +35,18 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from k3jax.checkpoint.names import layer_prefix, layer_tensors
-from k3jax.modules.mlp import KimiMLP, mlp_decls
-from k3jax.modules.moe import SHARED_PREFIX, KimiMoE, moe_decls
-from k3jax.modules.params import ParamDecl
+from k3jax.checkpoint.save import checkpoint_tensors, param_path
+from k3jax.modules.layer import module_decls
+from k3jax.modules.mlp import KimiMLP
+from k3jax.modules.moe import KimiMoE
 
-SELECTION_ONLY = ("router_bias_E",)   # used for expert selection only: zero gradient
+SELECTION_ONLY = ("router_bias_E",)   # the RouterBias: used for expert selection only
 
-
-def param_path(path: tuple) -> str:
-    """An nnx state path (("shared", "gate_DF")) as a parameter name ("shared.gate_DF")."""
-    return ".".join(map(str, path))
-
-
-def trainable(path: tuple, variable) -> bool:
-    """The nnx filter of the weights that get gradients: floating-point
-    ``nnx.Param``s other than the selection-only router bias."""
-    return (isinstance(variable, nnx.Param)
-            and jnp.issubdtype(variable.get_value().dtype, jnp.floating)
-            and path[-1] not in SELECTION_ONLY)
+trainable = nnx.Param
+"""The nnx filter of the weights that get gradients: the nnx.Params (the
+RouterBias and PackedWeights are other Variable types)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,44 +114,6 @@ def grad_program(module: KimiMLP | KimiMoE):
 
 def _hidden(module: KimiMLP | KimiMoE) -> int:
     return module.cfg.hidden_size if isinstance(module, KimiMoE) else module.layout.hidden
-
-
-def module_decls(module: KimiMLP | KimiMoE) -> dict[str, ParamDecl]:
-    """{param path: declaration} of every parameter of ``module``."""
-    if isinstance(module, KimiMoE):
-        decls = moe_decls(module.layout) + mlp_decls(module.shared.layout, module.dtype,
-                                                     SHARED_PREFIX)
-    else:
-        decls = mlp_decls(module.layout, module.dtype)
-    return {d.name: d for d in decls}
-
-
-def checkpoint_tensors(module: KimiMLP | KimiMoE, layer: int,
-                       arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """{param path: whole array in the parameter's shape} (gradients, or
-    weights) -> {checkpoint tensor name (docs/spec.md §3): array}: [out, in] as stored,
-    one tensor per routed expert, the MoE intermediate padding (docs/spec.md §5)
-    removed. Names carry ``model.layers.{layer}.`` and no ``language_model.``."""
-    is_moe = isinstance(module, KimiMoE)
-    prefix, refs = layer_prefix(layer, is_moe), layer_tensors(is_moe)
-    decls = module_decls(module)
-    out: dict[str, np.ndarray] = {}
-    for path, a in arrays.items():
-        decl, ref = decls[path], refs[path]
-        a = np.asarray(a)
-        if a.shape != decl.shape:
-            raise ValueError(f"checkpoint_tensors: {path} must be {list(decl.shape)}, "
-                             f"got {list(a.shape)}")
-        if decl.padding is not None:
-            size = decl.shape[decl.padding.axis]
-            real = [i for i in range(size) if decl.padding.source_index(i, size) is not None]
-            a = np.take(a, real, axis=decl.padding.axis)
-        if ref.per_expert:
-            for e in range(a.shape[0]):
-                out[ref.name(prefix, e)] = np.ascontiguousarray(a[e].T if ref.transpose else a[e])
-        else:
-            out[ref.name(prefix)] = np.ascontiguousarray(a.T if ref.transpose else a)
-    return out
 
 
 __all__ = ["LayerGrads", "SELECTION_ONLY", "checkpoint_tensors", "grad_program", "layer_grads",

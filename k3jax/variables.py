@@ -51,14 +51,15 @@ def update_router_bias(target, tokens_per_expert, rate: float):
 
     (an overloaded expert's bias falls, an underloaded one's rises, an expert
     at the mean keeps its own). ``tokens_per_expert`` [E]: the (token, expert)
-    assignments each expert received over the step (any numeric dtype, e.g.
-    the counts the layer's router statistics report). ``target``: a KimiMoE
+    assignments each expert received over the step (any numeric dtype), or
+    the layer's router statistics (an ExpertLoad: its ``tokens_per_expert``
+    is taken). ``target``: a KimiMoE
     (its ``router_bias_E``), a RouterBias variable (both updated in place, so
     it works inside ``nnx.jit``), or a bias array [E]. Returns the new bias
     [E] in the bias's dtype (float32). ValueError when the shapes differ."""
     var = getattr(target, "router_bias_E", target)
     bias_E = var.get_value() if isinstance(var, nnx.Variable) else jnp.asarray(var)
-    load_E = jnp.asarray(tokens_per_expert)
+    load_E = jnp.asarray(getattr(tokens_per_expert, "tokens_per_expert", tokens_per_expert))
     if bias_E.ndim != 1 or tuple(load_E.shape) != tuple(bias_E.shape):
         raise ValueError(f"update_router_bias: tokens_per_expert must be [{bias_E.shape[0]}] "
                          f"(one count per expert), got {list(load_E.shape)}")

@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 from k3jax import K3, TINY, MlpMode, ParallelConfig, SharedOverlap, make_layout
 from k3jax.formats import ExpertStorage
 from k3jax.modules.moe import ROUTED_SCOPE, SHARED_SCOPE, moe_decls
-from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
+from k3jax.tools.aot import GPU_COMPILER_OPTIONS, h200_mesh
 from k3jax.tools.compile import CompileReport, compile_layer
 from k3jax.tools.hlo_schedule import in_scope
 from k3jax.tools.kernel_ptxas import TOKAMAX_PEER
@@ -170,7 +170,7 @@ def test_overlap_contract_holds_in_the_h200_schedule(name, backend, tokens):
 @functools.cache
 def tiny_shared_collectives(combine: bool):
     """TINY sp_ep_tp8_shard (unoverlapped) at 64 tokens, with XLA's default
-    combiners or with OVERLAP_COMPILER_OPTIONS."""
+    combiners or with GPU_COMPILER_OPTIONS."""
     options = (("xla_gpu_all_gather_combine_threshold_bytes", 1 << 30),
                ("xla_gpu_reduce_scatter_combine_threshold_bytes", 1 << 30)) if combine else ()
     r = report(TINY, UNOVERLAPPED["sp_ep_tp8_shard_none"], MOE, 64, "xla", options)
@@ -178,11 +178,11 @@ def tiny_shared_collectives(combine: bool):
 
 
 def test_combiners_merge_the_shared_experts_collectives_unless_told_not_to():
-    """Why OVERLAP_COMPILER_OPTIONS: in the unoverlapped form (--shared-overlap
+    """Why GPU_COMPILER_OPTIONS: in the unoverlapped form (--shared-overlap
     none) XLA's combiners fold the shared expert's
     all-gather and reduce-scatter into the routed path's (one collective
     carrying both scopes, which then cannot overlap the other branch)."""
-    assert all(v == 0 for v in OVERLAP_COMPILER_OPTIONS.values())
+    assert all(v == 0 for v in GPU_COMPILER_OPTIONS.values())
     merged = tiny_shared_collectives(combine=True)
     assert merged and all(c.parts > 1 and in_scope(c.op_name, ROUTED_SCOPE) for c in merged)
     separate = tiny_shared_collectives(combine=False)

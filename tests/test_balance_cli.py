@@ -171,3 +171,64 @@ def test_tiny_preset_without_a_before_layout(tmp_path, capsys):
                  "--nodes", "4", "--devices", "32", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["layers"]
     assert row["before"] is None and row["after"]["device"] >= 1.0
+
+
+def test_the_latency_hook_gives_the_busiest_layers_balance(load_file, tmp_path):
+    """balance_for_latency: the max / mean of the worst layer, without
+    redundancy or with a placement file; the model slows with it."""
+    from k3jax.cli.balance import balance_for_latency
+    from k3jax.config import K3
+    from k3jax.tools import dispatch_latency as dl
+
+    worst = balance_for_latency(str(load_file), None, None, E, 16, 2)
+    layer1 = balance_for_latency(str(load_file), None, 1, E, 16, 2)
+    dev = xp.device_loads(xp.uniform_placement(E, 0, 16, 2), skewed_counts(1))
+    assert worst == layer1 and layer1.device == pytest.approx(dev.max() / dev.mean())
+    out = tmp_path / "p.json"
+    xp.write_placements(str(out), {n: xp.place_experts(skewed_counts(n, 1.0 if n == 1 else 0.5),
+                                                       32, 2, 16) for n in (1, 2)})
+    placed = balance_for_latency(str(load_file), str(out), None, E, 16, 2)
+    assert placed.device < 1.05 < layer1.device and placed.slots_per_device == 58
+    assert dl.estimate(K3, 8192, 16, 2, "gather", balance=layer1).layer_s > \
+        dl.estimate(K3, 8192, 16, 2, "gather", balance=placed).layer_s
+    with pytest.raises(ValueError, match="not 32 on 4"):
+        balance_for_latency(str(load_file), str(out), None, E, 32, 4)
+
+
+def _layer_s(out: str, tokens: int) -> dict[str, float]:
+    rows = json.loads(out)["rows"]
+    return {r["form"]: r["layer_s"] for r in rows if r["tokens"] == tokens}
+
+
+def test_latency_charges_the_busiest_device_of_a_load_and_its_placement(load_file, tmp_path,
+                                                                         capsys):
+    """k3jax latency --load: the skewed load's busiest device makes every form
+    slower than balanced at a size where the experts' matmuls count; the
+    placement k3jax balance wrote for it brings the time back down."""
+    base = ["latency", "--nodes", "2", "--tokens", "8192", "--json"]
+    assert main(base) == 0
+    balanced = _layer_s(capsys.readouterr().out, 8192)
+    assert main(base + ["--load", str(load_file), "--load-layer", "1"]) == 0
+    skewed = _layer_s(capsys.readouterr().out, 8192)
+    placement = tmp_path / "placement.json"
+    assert main(["balance", "--load", str(load_file), "--redundant-experts", "32", "--nodes",
+                 "2", "--devices", "16", "--output", str(placement)]) == 0
+    capsys.readouterr()
+    assert main(base + ["--load", str(load_file), "--load-layer", "1",
+                        "--placement", str(placement)]) == 0
+    placed = _layer_s(capsys.readouterr().out, 8192)
+    assert set(balanced) == set(skewed) == set(placed)
+    for form in balanced:
+        assert skewed[form] > balanced[form]
+        assert placed[form] < skewed[form]
+
+
+@pytest.mark.parametrize("flags, culprit", [
+    (["--load", "L.json"], "--load L.json: needs --nodes"),
+    (["--nodes", "2", "--placement", "P.json"], "--placement P.json: needs --load"),
+    (["--nodes", "2", "--load-layer", "3"], "--load-layer 3: needs --load"),
+])
+def test_latency_load_flags_need_their_partners(flags, culprit, capsys):
+    assert main(["latency", "--tokens", "256", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and culprit in err[0], err

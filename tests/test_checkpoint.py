@@ -29,6 +29,7 @@ from k3jax.checkpoint.names import layer_prefix
 from k3jax.config import TINY, TINY_GROUPED, from_hf_config
 from k3jax.layout import ParallelConfig, make_mesh
 from k3jax.modules import KimiMLP, KimiMoE
+from k3jax.variables import WEIGHTS
 from numerics import jitted, rel_err
 from pallas_kernels.mxfp4 import dequant_numpy, encode
 from reference_np import np_mlp, np_moe, random_moe_tensors
@@ -641,7 +642,7 @@ def test_progress_counts_the_bytes_read(small, monkeypatch, eight_devices):
     (bar,) = bars
     assert bar.unit == "B" and bar.seen == bar.total
     # tp=8: the MoE's replicated parameters once, the rest in eight distinct slices
-    total = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param)))
+    total = sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(module, WEIGHTS)))
     assert bar.total == total
 
 

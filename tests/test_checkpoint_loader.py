@@ -35,6 +35,7 @@ from k3jax.config import TINY
 from k3jax.formats import ExpertStorage
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
+from k3jax.variables import WEIGHTS
 from numerics import jitted, rel_err
 from pallas_kernels.mxfp4_fast import FAST_SCALES
 from pallas_kernels.mxfp4_words import deinterleave_words, interleave_words
@@ -100,7 +101,7 @@ def check_bitwise(module, layer, tensors, parallel=ParallelConfig(), mesh=None,
     is_moe = CFG.is_moe_layer(layer)
     prefix, refs = layer_prefix(layer, is_moe), layer_tensors(is_moe)
     params = {".".join(map(str, p)): v.get_value()
-              for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+              for p, v in nnx.to_flat_state(nnx.state(module, WEIGHTS))}
     decls = layer_decls(layout, layer)
     assert sorted(params) == sorted(d.name for d in decls)
     for decl in decls:
@@ -339,7 +340,7 @@ def test_load_layers_one_bar_in_bytes(f32_ckpt, monkeypatch):
     modules = load_layers(f32_ckpt, [0, 1, 2], backend="xla", progress=True)
     (bar,) = bars
     total = sum(v.get_value().nbytes for m in modules
-                for _, v in nnx.to_flat_state(nnx.state(m, nnx.Param)))
+                for _, v in nnx.to_flat_state(nnx.state(m, WEIGHTS)))
     assert bar.unit == "B" and bar.seen == bar.total == total
     tensors = stored(f32_ckpt)
     for layer, m in zip([0, 1, 2], modules):

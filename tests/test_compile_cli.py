@@ -114,13 +114,29 @@ def test_usage_errors_exit_2_naming_the_flags(argv, words, capsys):
     assert words in one_line_error(capsys.readouterr().err)
 
 
-def test_the_cli_adds_the_overlap_flags_but_keeps_the_users():
+def test_the_cli_adds_the_gpu_flags_but_keeps_the_users():
     env = {"XLA_FLAGS": "--xla_gpu_all_gather_combine_threshold_bytes=1024 --xla_dump_to=/tmp/d"}
     flags = default_xla_flags(env).split()
     assert flags == ["--xla_gpu_all_gather_combine_threshold_bytes=1024", "--xla_dump_to=/tmp/d",
-                     "--xla_gpu_reduce_scatter_combine_threshold_bytes=0"]
-    assert default_xla_flags({}).split() == ["--xla_gpu_all_gather_combine_threshold_bytes=0",
-                                             "--xla_gpu_reduce_scatter_combine_threshold_bytes=0"]
+                     "--xla_gpu_reduce_scatter_combine_threshold_bytes=0",
+                     "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"]
+    assert default_xla_flags({}).split() == [
+        "--xla_gpu_all_gather_combine_threshold_bytes=0",
+        "--xla_gpu_reduce_scatter_combine_threshold_bytes=0",
+        "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"]
+
+
+def test_the_gpu_options_are_options_this_jaxlib_knows():
+    """XLA refuses an option it does not know ("No such compile option")."""
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.xla_options import GPU_COMPILER_OPTIONS
+
+    jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(compiler_options=GPU_COMPILER_OPTIONS)
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(
+            compiler_options={"xla_gpu_no_such_option": True})
 
 
 @pytest.mark.parametrize("argv", [["--tokens", "0"], ["--layer", "-1"], ["--backend", "cuda"]])

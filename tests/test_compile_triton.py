@@ -12,7 +12,7 @@ from flax import nnx
 
 from k3jax.cli import main
 from k3jax.config import K3
-from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, h200_mesh
+from k3jax.tools.aot import GPU_COMPILER_OPTIONS, h200_mesh
 from k3jax.tools.compile import compiled_bytes, layer_on_mesh, shard_bytes
 from layout_cases import (
     LAYOUTS,
@@ -67,7 +67,7 @@ def _temporaries(tokens: int, expert_dtype: str) -> int:
                               backend="triton", dtype="bfloat16", expert_dtype=expert_dtype)
         graph, state = nnx.split(built.module)
         fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD),
-                     compiler_options=OVERLAP_COMPILER_OPTIONS)
+                     compiler_options=GPU_COMPILER_OPTIONS)
         with gate.collecting(), jax.sharding.use_abstract_mesh(built.mesh.abstract_mesh):
             compiled = fn.trace(state, built.x_TD).lower().compile()
     assert built.layout.backend == TRITON

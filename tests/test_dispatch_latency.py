@@ -12,13 +12,17 @@ import json
 import math
 import pathlib
 
+import numpy as np
 import pytest
 
 from k3jax.cli import main
 from k3jax.config import K3
 from k3jax.layout import ep_dispatch_choice
+from k3jax.layout import expert_placement as xp
 from k3jax.tools import dispatch_latency as dl
 from k3jax.tools import ep_destinations as ed
+from k3jax.tools import layer_latency as ll
+from k3jax.tools import ragged_xla as rx
 from k3jax.tools.layer_schedule import NVLINK
 from pallas_kernels.hardware import H200
 
@@ -186,6 +190,107 @@ def test_layout_errors_name_the_culprit():
         dl.check_layout(K3, 16, 3, 8)
     with pytest.raises(ValueError, match="16 devices on a node"):
         dl.check_layout(K3, 16, 1, 8)
+
+
+# -- XLA's ragged-all-to-all paths ----------------------------------------------------
+def test_cross_node_stage_takes_the_nccl_path_and_pays_its_host_work():
+    """Stage A (one device a node, peers on other nodes) runs XLA's per-peer
+    NCCL path: the offsets' exchange, 2 host synchronisations and 4
+    device-to-host copies first, then 12 us a peer; stage B (inside a node,
+    <= 8 peers) the one-shot kernel, nothing extra."""
+    for ep, nodes in MULTI_NODE:
+        out, back = dl.transfers(K3, "all-to-all", ep, nodes, 64, ed.expected(E, K, ep, nodes))
+        for t in out + back:
+            if t.kind != "ragged-all-to-all":
+                assert t.path is None and t.meta_s == 0
+            elif t.name.startswith("a."):
+                assert t.path == rx.NCCL_FALLBACK and (t.ranks, t.nodes) == (nodes, nodes)
+                assert t.meta_s == pytest.approx(dl.latency_s(dl.DIRECT, nodes, nodes) + 6 * 6e-6)
+                assert t.latency_s == pytest.approx(dl.latency_s(dl.DIRECT, nodes, nodes)
+                                                    + nodes * 12e-6)
+                assert t.seconds == pytest.approx(t.meta_s + t.latency_s + t.wire_s)
+            else:
+                assert t.path == rx.ONE_SHOT and t.meta_s == 0 and t.ranks == 8
+    one_node, _ = dl.transfers(K3, "all-to-all", 8, 1, 64, ed.expected(E, K, 8, 1))
+    assert {t.path for t in one_node if t.kind == "ragged-all-to-all"} == {rx.ONE_SHOT}
+    assert rx.ragged_path(16, 1) == rx.NCCL_FALLBACK      # > 8 peers: no one-shot kernel
+
+
+def test_host_work_blocks_what_the_program_issues_after_it():
+    """Nothing after an NCCL path's host work in program order starts before
+    it ends (the host issues nothing meanwhile); work issued before runs on."""
+    ops = [dl_op("a"), dl_op("x.meta", "a", wire=True), dl_op("x", "x.meta", wire=True),
+           dl_op("b"), dl_op("c", "a")]
+    ordered = rx.host_ordered(ops)
+    assert [o.deps for o in ordered] == [(), ("a",), ("x.meta",), ("x.meta",), ("a", "x.meta")]
+    e = dl.estimate(K3, 512, 32, 4, "all-to-all")
+    spans = e.schedule.spans
+    assert spans["a.rows.meta"][1] <= spans["a.rows"][0] + 1e-12
+    # the stage-A host work is in the dispatch time, and hidden nowhere in the layer
+    assert e.dispatch_s > sum(t.meta_s for t in e.transfers) > 4 * 36e-6
+
+
+def dl_op(name, *deps, wire=False):
+    from k3jax.tools.layer_schedule import collective, compute
+    return collective(name, 1e3, *deps) if wire else compute(name, 1e-6, *deps)
+
+
+def test_the_cross_node_charge_moves_the_table_off_the_all_to_all():
+    """With stage A's host work and per-peer cost the all-to-all is never the
+    fastest form across nodes (it was below 4096 tokens at EP 32); one node
+    keeps the one-shot kernel and its old figures."""
+    for ep, nodes in MULTI_NODE:
+        assert "all-to-all" not in {form for _, form in ep_dispatch_choice.table()[(ep, nodes)]}
+    assert ep_dispatch_choice.pick(32, 4, 512) == "hierarchical"
+    assert ep_dispatch_choice.pick(32, 4, 8192) == "gather"
+    hw = dl.hardware()
+    for key in ("host_round_trip_s", "fallback_per_peer_s", "one_shot_max_peers"):
+        assert hw[key] == rx.figures()[key] and hw["sources"][key] == rx.SOURCES[key]
+    assert "46982" in hw["sources"]["fallback_per_peer_s"]
+
+
+# -- the busiest device sets the time ------------------------------------------------
+def test_the_busiest_device_sets_the_layer_time():
+    """The same mean load, twice the max on one device: every form slows; the
+    gathers' bytes do not change (every row goes everywhere), the busiest
+    device's GEMMs do; the all-to-all's receive bytes grow with the skew."""
+    skew = ed.Balance(device=2.0, node=1.25)
+    for form in dl.FORMS:
+        flat = dl.estimate(K3, 4096, 32, 4, form)
+        hot = dl.estimate(K3, 4096, 32, 4, form, ed.UNIFORM, skew)
+        assert hot.layer_s > flat.layer_s and hot.common_s > flat.common_s
+        if form != "all-to-all":
+            assert hot.ib_bytes == flat.ib_bytes and hot.nvlink_bytes == flat.nvlink_bytes
+        else:
+            assert hot.ib_bytes > flat.ib_bytes and hot.nvlink_bytes > flat.nvlink_bytes
+    assert dl.busiest_gemm_s(K3, 128, 32, ed.BALANCED) == ll.routed_gemm_s(K3, 128, 32)
+    up1, down1 = dl.busiest_gemm_s(K3, 128, 32, ed.Balance(device=1.0, slots_per_device=28))
+    up2, down2 = dl.busiest_gemm_s(K3, 128, 32, ed.Balance(device=2.0, slots_per_device=28))
+    assert up2 > up1 and down2 > down1
+    with pytest.raises(ValueError, match="max / mean"):
+        ed.Balance(device=0.5)
+    with pytest.raises(ValueError, match="cannot exceed"):
+        dl.estimate(K3, 64, 16, 2, "gather", ed.UNIFORM, ed.Balance(device=17.0))
+
+
+def test_balance_comes_from_statistics_or_a_placement_and_takes_the_max():
+    """From a load file's per-device counts, or a placement and a load:
+    the max over the mean, not the mean; balancing the placement lowers it
+    and the predicted layer time with it."""
+    counts = np.ones(E, int) * 10
+    counts[:8] = 2000                                         # eight hot experts on device 0
+    before = xp.uniform_placement(E, 0, 16, 2)
+    b0 = ed.Balance.from_placement(before, counts)
+    dev = xp.device_loads(before, counts)
+    assert b0.device == pytest.approx(dev.max() / dev.mean()) and b0.device > 3
+    assert ed.Balance.from_loads(dev, dev.reshape(2, -1).sum(1)) == \
+        ed.Balance(b0.device, b0.node, None, "measured")
+    after = xp.place_experts(counts, 32, 2, 16)
+    b1 = ed.Balance.from_placement(after, counts)
+    assert b1.device < 1.2 < b0.device and b1.slots_per_device == 58
+    t0 = dl.estimate(K3, 2048, 16, 2, "gather", ed.UNIFORM, b0).layer_s
+    t1 = dl.estimate(K3, 2048, 16, 2, "gather", ed.UNIFORM, b1).layer_s
+    assert t1 < t0
 
 
 # -- the committed table and the lookup ----------------------------------------------

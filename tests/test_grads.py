@@ -45,6 +45,7 @@ from k3jax.formats import ExpertStorage
 from k3jax.grads import checkpoint_tensors, grad_program, layer_grads, param_path, split_trainable
 from k3jax.modules.moe import KimiMoE, expert_weights
 from k3jax.reference.torch_reference import TorchKimiMLP, TorchKimiMoE
+from k3jax.variables import WEIGHTS
 from layout_cases import COLLECTIVES, LAYOUTS, MULTI_DEVICE, SEED, UNOVERLAPPED, module
 from numerics import rel_err
 
@@ -138,7 +139,7 @@ def torch_grads(layer: str, tensors: dict[str, np.ndarray], x, dy) -> dict[str, 
 
 def weight_tensors(mod, layer: str) -> dict[str, np.ndarray]:
     """The module's weights as float64 checkpoint tensors (dense experts)."""
-    state = {param_path(p): f64(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(mod, nnx.Param))}
+    state = {param_path(p): f64(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(mod, WEIGHTS))}
     return checkpoint_tensors(mod, LAYERS[layer], state)
 
 
@@ -364,7 +365,7 @@ def test_mxfp4_experts_are_frozen_and_the_input_gradient_flows(eight_devices):
                               "shared.gate_DF", "shared.up_DF", "shared.down_FD"}
     # torch f64 with the decoded experts (exact in float32), every weight trainable there
     tensors = checkpoint_tensors(mod, 1, {k: f64(v) for k, v in flat_grads(
-        nnx.state(mod, nnx.Param)).items() if k not in packed_params})
+        nnx.state(mod, WEIGHTS)).items() if k not in packed_params})
     prefix = layer_prefix(1, True)
     for w, packed in zip(("w1", "w3", "w2"), expert_weights(mod.weights(), mod.layout)):
         a = packed.dequantize(jnp.float32)

@@ -82,8 +82,11 @@ def test_overlap_applies_to_sp_sharded_mlps_only():
         assert mlp_layout(par, H, SHARED_I).overlap is SharedOverlap.NONE
     with pytest.raises(ValueError, match="overlap ring needs an SP-sharded MLP"):
         MlpLayout(MlpMode.TP, ParallelConfig(tp=8), H, SHARED_I, (TENSOR,), "x", SharedOverlap.RING)
-    with pytest.raises(ValueError, match="shared_overlap must be a SharedOverlap, got 'ring'"):
-        ParallelConfig(tp=8, shared_overlap="ring")
+    # strings and enums alike: the value (the CLI's flag) is the member
+    assert ParallelConfig(tp=8, shared_overlap="ring").shared_overlap is SharedOverlap.RING
+    with pytest.raises(ValueError, match="shared_overlap must be one of 'none', 'ring', "
+                                         "'weights', 'auto' .*got 'rings'"):
+        ParallelConfig(tp=8, shared_overlap="rings")
 
 
 def test_gate_off_sp_tp8_replicates():

@@ -42,6 +42,7 @@ from k3jax.config import K3, TINY
 from k3jax.formats import ExpertStorage
 from k3jax.layout import ParallelConfig, make_layout, make_mesh
 from k3jax.modules import layer_decls
+from k3jax.variables import WEIGHTS
 from pallas_kernels.mxfp4_words import interleave_word_bits, interleave_words, words_of
 
 pytestmark = pytest.mark.tiers(integration=[
@@ -233,7 +234,7 @@ def test_on_cpu_devices_every_block_is_its_parameter(ckpt, monkeypatch):
     monkeypatch.setattr(jax, "device_put", spy)
     module = load_layer(ckpt, 1, parallel, mesh, backend="xla", dtype=jnp.bfloat16)
     monkeypatch.setattr(jax, "device_put", put)
-    for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    for path, v in nnx.to_flat_state(nnx.state(module, WEIGHTS)):
         (shard,) = v.get_value().addressable_shards
         assert shard.data.unsafe_buffer_pointer() in placed, path   # the block itself
 
@@ -286,7 +287,7 @@ def test_host_ops_give_the_device_ops_bytes(request, eight_devices, monkeypatch,
         monkeypatch.setattr(source_module, "ops_on_host", lambda mesh: host_ops)
         module = load_layer(ckpt, 1, parallel, mesh, backend="xla", dtype=dtype, workers=2)
         return {path: np.asarray(v.get_value())
-                for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+                for path, v in nnx.to_flat_state(nnx.state(module, WEIGHTS))}
     if slab_bytes is not None:
         host_op = source_module.host_op
         monkeypatch.setattr(source_module, "host_op", lambda ref: None if host_op(ref) is None

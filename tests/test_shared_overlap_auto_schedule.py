@@ -1,5 +1,5 @@
 """SharedOverlap.AUTO in the compiled 8 x H200 schedule: K3's MoE layer 1 at
-full size (bf16, MXFP4 experts, XLA backend, OVERLAP_COMPILER_OPTIONS), SP +
+full size (bf16, MXFP4 experts, XLA backend, GPU_COMPILER_OPTIONS), SP +
 EP with the shared expert sharded, at one token count inside every range of
 the committed table's picks for tp 4, tp 8 and dp 2 x tp 4 (each pick of
 each layout compiled once).

@@ -1,6 +1,6 @@
 """The weight-gathered shared expert (SharedOverlap.WEIGHTS) in the compiled
 8 x H200 schedule: K3's MoE layer 1 at full size (bf16, MXFP4 experts, XLA
-backend), compiled without a GPU with OVERLAP_COMPILER_OPTIONS
+backend), compiled without a GPU with GPU_COMPILER_OPTIONS
 (k3jax.tools.compile.compile_layer), SP + EP at tp 8, tp 4 and dp 2 x tp 4, 2048
 and 8192 tokens. Each (layout, tokens, form) compiles once per process.
 

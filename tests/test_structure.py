@@ -4,6 +4,8 @@ kernels, and the tools stand beside that line. Read from the source
 
 from __future__ import annotations
 
+import ast
+
 import import_graph as ig
 
 
@@ -48,3 +50,55 @@ def test_the_library_layers_run_one_way():
                    if t.startswith(("k3jax.modules", "k3jax.ops", "k3jax.parallel",
                                     "k3jax.checkpoint", "k3jax.grads")))
     assert not wrong, "\n".join(wrong)
+
+
+BACKEND_NAMES = {"xla", "pallas", "interpret", "triton", "auto"}
+
+
+def _names_a_backend(node) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in BACKEND_NAMES
+    return (isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts)
+            and all(isinstance(e, ast.Constant) and e.value in BACKEND_NAMES for e in node.elts))
+
+
+def backend_name_comparisons() -> list[str]:
+    """Every comparison (==, !=, in, not in, is, is not) with a backend name
+    ("xla", "pallas", "interpret", "triton", "auto"), or a tuple of them, as
+    one operand, in the project's non-test code: "file:line: expression"."""
+    hits = []
+    for package in ig.PACKAGES:
+        for path in sorted((ig.ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and (
+                        _names_a_backend(node.left) or any(map(_names_a_backend, node.comparators))):
+                    hits.append(f"{path.relative_to(ig.ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def test_backends_are_typed_values_not_names_compared_across_the_code():
+    """Backends are chosen by KernelBackend / Family / BackendName values
+    (pallas_kernels.backend parses the names once); what compares a name
+    literally is a result row's key, a platform or a dtype "auto"."""
+    hits = backend_name_comparisons()
+    assert len(hits) <= 12, "\n".join(hits)
+    assert not [h for h in hits if h.startswith(("pallas_kernels", "k3jax/layout", "k3jax/modules",
+                                                 "k3jax/ops", "k3jax/parallel", "k3jax/formats"))]
+
+
+def test_the_counter_sees_a_planted_comparison():
+    tree = ast.parse('if backend == "xla" or impl in ("pallas", "interpret"): pass')
+    compares = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+    assert len(compares) == 2 and all(
+        _names_a_backend(c.left) or any(map(_names_a_backend, c.comparators)) for c in compares)
+
+
+def test_every_source_file_is_at_most_450_lines():
+    long = [f"{p.relative_to(ig.ROOT)} ({n})" for package in ig.PACKAGES
+            for p in sorted((ig.ROOT / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 450]
+    assert not long, long
+
+
+def test_the_readme_is_at_most_200_lines():
+    assert len((ig.ROOT / "README.md").read_text().splitlines()) <= 200

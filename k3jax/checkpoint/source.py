@@ -16,14 +16,14 @@ e.g. MXFP4 codes and scales) is decoded by that format as it is read. On
 CPU devices the same op runs on the host as the block is read
 (``host_op``, k3jax.checkpoint.slabs: slab by slab, each result written
 once into the block, which is then the parameter and which the devices
-alias). A parameter held as stored (1-D tensors) is the block
-itself: nothing but the transfer happens to it, and none on a CPU device,
-which aliases the block. With
-``read_ahead`` a thread reads the blocks in the order they will be placed,
-into reused staging buffers those that are copied and dropped (those a
-device op changes; on an accelerator, all; the pipeline module says how
-reading overlaps the device work). No process ever materialises a whole
-layer, nor even its whole share of one parameter.
+alias). A parameter held as stored (1-D tensors) is the block itself:
+nothing but the transfer happens to it, and none on a CPU device, which
+aliases the block. With ``read_ahead`` a thread reads the blocks in the
+order they will be placed, into reused staging buffers those that are
+copied and dropped (those a device op changes; on an accelerator, all; the
+pipeline module says how reading overlaps the device work). No process ever
+materialises a whole layer, nor even its whole share of one parameter.
+Redundant expert slots: each expert read once (k3jax.checkpoint.replicas).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from k3jax.checkpoint.pipeline import (
     swap_last_axes,
 )
 from k3jax.checkpoint.reader import FLOAT_DTYPES, STORED_DTYPES, CheckpointError, CheckpointReader
+from k3jax.checkpoint.replicas import ReplicaCache
 from k3jax.checkpoint.slabs import INTERLEAVE, TRANSPOSE, HostOp, slabs
 from k3jax.formats import WeightFormat, codecs
 from k3jax.formats.dense import PARAM_NAMES as DENSE_EXPERTS
@@ -142,6 +143,7 @@ class CheckpointSource:
         self._stored: dict[str, dict[int | None, WeightFormat | None]] = {}   # _check's answers
         self._facts: list | None = None   # stored_fact's, one per stored piece
         self._fact_of: Callable[[np.ndarray], Any] | None = None
+        self._replicas = ReplicaCache()   # regions of experts in redundant slots
 
     @property
     def experts_codec(self) -> WeightFormat | None:
@@ -275,6 +277,7 @@ class CheckpointSource:
                 self.workers.close()
             if self._own_staging:
                 self.staging.clear()
+            self._replicas.clear()
 
     # -- validation -------------------------------------------------------------
     def _stored_shape(self, decl: ParamDecl, ref: TensorRef) -> tuple[int, ...]:
@@ -290,7 +293,7 @@ class CheckpointSource:
         """Validate every stored tensor behind ``decl``; map expert -> the
         codec format its float weight is stored in (None: as stored)."""
         out, *rest = self._stored_shape(decl, ref)
-        experts = range(decl.shape[0]) if ref.per_expert else [None]
+        experts = range(decl.num_logical) if ref.per_expert else [None]   # logical experts
         stored = {}
         for e in experts:
             name = ref.name(self.prefix, e)
@@ -382,10 +385,9 @@ class CheckpointSource:
         inner = slice(1, None) if ref.per_expert else slice(None)
         inner_keep = tuple(host(keep[inner]))
         index_of = [slice(r.start, r.stop) for r in host(src_ranges[inner])]
-        if ref.per_expert:
-            jobs = [functools.partial(self._fill, ref.name(self.prefix, e), stored[e],
-                                      index_of, out[j], inner_keep, None, ref.check)
-                    for j, e in enumerate(src_ranges[0])]
+        if ref.per_expert:   # a job per logical expert, filling its slots (checkpoint.replicas)
+            jobs = self._replicas.jobs(decl, src_ranges[0], out, inner_keep, ref.check, lambda e: (
+                functools.partial(self._fill, ref.name(self.prefix, e), stored[e], index_of)))
             if workers is None:
                 for job in jobs:
                     job()

@@ -180,6 +180,35 @@ def print_report(rows: list[dict], args: argparse.Namespace, redundant: int, fil
         print(f"wrote {args.output}", file=out)
 
 
+def balance_for_latency(load: str, placement: str | None, layer: int | None, num_experts: int,
+                        ep: int, nodes: int):
+    """The dispatch latency model's ``Balance`` (k3jax.tools.ep_destinations)
+    for a load file and, optionally, a placement file: layer ``layer``'s, or
+    the layer whose busiest device is busiest. Without a placement, the
+    layout without redundancy. For ``k3jax latency --load LOAD.json
+    [--placement PLACEMENT.json] [--layer N]``; ValueError (bad data) or
+    UsageError (--layer) naming the culprit."""
+    from k3jax.layout import expert_placement as xp
+    from k3jax.tools.ep_destinations import Balance
+
+    loads = xp.read_expert_load(load, num_experts)
+    if layer is not None:
+        if layer not in loads:
+            raise UsageError(f"--layer {layer}: {load} holds layers {_ranges(sorted(loads))}")
+        loads = {layer: loads[layer]}
+    placements = xp.read_placements(placement) if placement else {}
+    out = []
+    for n, counts in loads.items():
+        p = placements.get(n) if placement else xp.uniform_placement(num_experts, 0, ep, nodes)
+        if p is None:
+            raise ValueError(f"{placement}: no placement for layer {n} of {load}")
+        if (p.ep, p.nodes) != (ep, nodes):
+            raise ValueError(f"{placement}: layer {n}'s placement is for {p.ep} devices on "
+                             f"{p.nodes} node(s), not {ep} on {nodes}")
+        out.append(Balance.from_placement(p, counts, f"layer {n} of {load}"))
+    return max(out, key=lambda b: (b.device, b.node))
+
+
 def _ranges(layers: list[int]) -> str:
     """1, 2, 3, 7 -> '1..3, 7'."""
     out, start = [], None
@@ -192,4 +221,4 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(out)
 
 
-__all__ = ["add_parser", "check_flags", "main", "print_report", "report"]
+__all__ = ["add_parser", "balance_for_latency", "check_flags", "main", "print_report", "report"]

@@ -145,6 +145,7 @@ def _select_devices(args):
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from pallas_kernels.backend import BackendName, parse_backend
     _check_output(args.json, "--json", ".json")
     _check_output(args.plot, "--plot", ".png")
     if args.devices is not None and args.devices < 2:
@@ -152,7 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
     base, source = config_from_args(args)
 
     request_devices(args.devices or DEFAULT_CPU_DEVICES)   # a no-op once JAX has started
-    if args.backend == "interpret":
+    if parse_backend(args.backend) is BackendName.INTERPRET:
         interpret_compat.reserve_pool_threads(args.devices or DEFAULT_CPU_DEVICES)
     from k3jax.files import atomic_write
     from k3jax.tools.token_sweep import DEFAULT_TOKENS, default_experts, plot_result, run_bench, scale_config

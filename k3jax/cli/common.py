@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from k3jax.cli import replicas
 from k3jax.cli.machine import device_count_problem
 from k3jax.config import MATH_KEYS, PRESETS, TENSOR_KEYS, K3Config, preset, read_hf_config
 from k3jax.files import atomic_write, check_writable
@@ -92,10 +93,13 @@ def check_backend(backend: str, platform: str) -> None:
     """--backend pallas / triton need the work to run on GPUs (Mosaic GPU /
     Triton kernels);
     ``platform``: that of the devices the work runs on."""
-    if backend == "pallas" and platform != "gpu":
+    from pallas_kernels.backend import BackendName, parse_backend
+
+    name = parse_backend(backend)
+    if name is BackendName.PALLAS and platform != "gpu":
         raise UsageError(f"--backend pallas needs a Hopper GPU, and the devices here are "
                          f"{platform}; use --backend interpret (or xla) instead")
-    if backend == "triton" and platform != "gpu":
+    if name is BackendName.TRITON and platform != "gpu":
         raise UsageError(f"--backend triton needs a CUDA GPU (sm_80 or newer), and the devices "
                          f"here are {platform}; use --backend xla instead")
 
@@ -250,6 +254,10 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype the 'none' and 'ring' forms reduce-scatter their partial sums in "
                         "(bfloat16: half the bytes, bf16 rounding) (default: float32, or under "
                         "'auto' the table's pick)")
+    g.add_argument("--redundant-experts", type=non_negative_int, default=None, metavar="R",
+                   help=replicas.help_lines()["--redundant-experts"])
+    g.add_argument("--expert-placement", metavar="PLACEMENT.json",
+                   help=replicas.help_lines()["--expert-placement"])
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -265,6 +273,8 @@ def moe_only_flags(args: argparse.Namespace) -> list[str]:
     MXFP4 experts is checked whichever layer is compiled.)"""
     flags = ["--expert-parallel"] * bool(getattr(args, "expert_parallel", False))
     flags += ["--pad-under-ep"] * bool(getattr(args, "pad_under_ep", False))
+    if getattr(args, "expert_load", None):
+        flags.append(f"--expert-load {args.expert_load}")
     for name, default in (("ep_dispatch", EpDispatch.AUTO.value), ("mxfp4", "packed"),
                           ("mxfp4_dequant", "fast")):
         value = getattr(args, name, default)
@@ -324,8 +334,10 @@ def parallel_from_args(args: argparse.Namespace, num_devices: int | None) -> Par
     if dp % nodes:
         raise UsageError(f"--nodes {nodes} does not divide --dp {dp}: the tensor axis (--tp "
                          f"{tp}) stays inside a node, so each node must hold whole tensor groups")
+    redundant = replicas.redundant_from_args(args)   # a bad --expert-placement file: exit 1
     try:
         parallel = ParallelConfig(dp=dp, tp=tp, nodes=nodes, ep_dispatch=EpDispatch(args.ep_dispatch),
+                                  redundant_experts=redundant,
                                   sequence_parallel=args.sequence_parallel,
                                   expert_parallel=args.expert_parallel,
                                   shard_shared_expert=args.shard_shared_expert,

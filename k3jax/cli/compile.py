@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3jax.cli import replicas
 from k3jax.cli.common import (
     UsageError,
     add_layer_flags,
@@ -64,8 +65,10 @@ def main(args: argparse.Namespace, prog: str) -> int:
     # Compile-only CUDA devices come from the plugin while the process's
     # platform is the CPU: this never initializes (or touches) a GPU.
     import jax
+
+    from pallas_kernels.backend import BackendName, parse_backend
     jax.config.update("jax_platforms", "cpu")
-    if args.backend == "triton":
+    if parse_backend(args.backend) is BackendName.TRITON:
         from k3jax.tools.compile_triton import print_report as print_triton
         return report_errors(lambda: print_result(_compile_triton(args), args.json, print_triton),
                              prog)
@@ -132,14 +135,18 @@ def _compile_one(args: argparse.Namespace, cfg, parallel):
     """The forward's CompileReport, or with --grads the training step's."""
     from pallas_kernels.mxfp4 import Mxfp4Dequant
     dequant = Mxfp4Dequant(args.mxfp4_dequant)
+    placement = (replicas.placements_from_args(args, cfg, parallel, [args.layer]) or {}).get(
+        args.layer)
     if args.grads:
         from k3jax.tools.compile_grads import compile_layer_grads
         return compile_layer_grads(cfg, parallel, args.layer, tokens=args.tokens,
                                    backend=args.backend, dtype=args.dtype,
-                                   expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
+                                   expert_dtype=args.expert_dtype, mxfp4_dequant=dequant,
+                                   expert_placement=placement)
     from k3jax.tools.compile import compile_layer
     return compile_layer(cfg, parallel, args.layer, tokens=args.tokens, backend=args.backend,
-                         dtype=args.dtype, expert_dtype=args.expert_dtype, mxfp4_dequant=dequant)
+                         dtype=args.dtype, expert_dtype=args.expert_dtype, mxfp4_dequant=dequant,
+                         expert_placement=placement)
 
 
 def print_report(report, file=None) -> None:

@@ -21,9 +21,14 @@ import time
 GRACE_S = 3.0
 
 
+_installed: list[bool] = []
+
+
 def install(grace_s: float = GRACE_S) -> bool:
-    """Start the watcher (module docstring); False where it cannot be
-    installed (not the main thread)."""
+    """Start the watcher (module docstring), once per process; False where
+    it cannot be installed (not the main thread)."""
+    if _installed:
+        return True
     if threading.current_thread() is not threading.main_thread():
         return False
     read_end, write_end = os.pipe()
@@ -55,4 +60,5 @@ def install(grace_s: float = GRACE_S) -> bool:
         if not isinstance(info.exc_value, KeyboardInterrupt):
             previous_hook(info)
     sys.unraisablehook = unraisable
+    _installed.append(True)
     return True

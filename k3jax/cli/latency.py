@@ -49,6 +49,15 @@ def add_parser(sub) -> None:
     p.add_argument("--routing-skew", type=_fraction, default=0.0, metavar="F",
                    help="with --nodes: the fraction of tokens whose 16 experts all sit on one node "
                         "(default 0: uniform routing, as the committed auto table assumes)")
+    p.add_argument("--load", metavar="LOAD.json", default=None,
+                   help="with --nodes: per-expert token counts written by k3jax run --expert-load; "
+                        "the busiest device and node of that load set the layer's time (the "
+                        "layer whose busiest device is busiest, or --load-layer's)")
+    p.add_argument("--placement", metavar="PLACEMENT.json", default=None,
+                   help="with --load: the expert placement (k3jax balance --output) the load "
+                        "is spread over; default: the layout without redundant experts")
+    p.add_argument("--load-layer", type=int, default=None, metavar="N",
+                   help="with --load: the layer of the load file to take")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(main=main)
 
@@ -93,6 +102,10 @@ def _latency(args: argparse.Namespace) -> int:
         return _dispatch(args)
     if args.routing_skew:
         raise UsageError(f"--routing-skew {args.routing_skew}: needs --nodes (the dispatch model)")
+    for flag, value in (("--load", args.load), ("--placement", args.placement),
+                        ("--load-layer", args.load_layer)):
+        if value is not None:
+            raise UsageError(f"{flag} {value}: needs --nodes (the dispatch model)")
     args.layer = args.layer or ["moe", "dense"]
     from k3jax.config import K3
     from k3jax.tools import layer_latency as ll
@@ -243,9 +256,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     from k3jax.config import K3
 
     layouts = dispatch_layouts(args)
+    balances = _balances(args, K3, layouts)
     result = run_dispatch(K3, args.nodes, layouts, args.tokens, args.routing_skew,
                           progress=None if args.json else
-                          lambda m: print(m, file=sys.stderr, flush=True))
+                          lambda m: print(m, file=sys.stderr, flush=True), balances=balances)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -253,13 +267,32 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=None) -> dict:
+def _balances(args: argparse.Namespace, cfg, layouts) -> dict[int, object] | None:
+    """ep -> the Balance of --load (and --placement) over each layout's EP
+    devices (k3jax.cli.balance.balance_for_latency), or None without --load.
+    UsageError for --placement or --load-layer without --load."""
+    if args.load is None:
+        for flag, value in (("--placement", args.placement), ("--load-layer", args.load_layer)):
+            if value is not None:
+                raise UsageError(f"{flag} {value}: needs --load")
+        return None
+    from k3jax.cli.balance import balance_for_latency
+
+    return {dp * tp: balance_for_latency(args.load, args.placement, args.load_layer,
+                                         cfg.num_experts, dp * tp, args.nodes)
+            for tp, dp in layouts}
+
+
+def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=None,
+                 balances: dict | None = None) -> dict:
     """The --json object of --nodes: hardware (figures and sources), the
     routing model, per layout the expected destinations of a token's
     experts, one row per (layout, tokens, form) with its per-layer time,
     dispatch + combine time and bytes on each link (each transfer listed),
     and per (layout, tokens) the model's fastest form and the committed
-    table's pick (k3jax's auto)."""
+    table's pick (k3jax's auto). ``balances``: ep -> the measured Balance
+    (the busiest device and node) the layout's time is charged at; None:
+    balanced."""
     from k3jax.layout import ep_dispatch_choice
     from k3jax.tools import dispatch_latency as dl
     from k3jax.tools import ep_destinations as ed
@@ -273,8 +306,10 @@ def run_dispatch(cfg, nodes: int, layouts, tokens, skew: float = 0.0, progress=N
         dest = ed.expected(cfg.num_experts, cfg.num_experts_per_token, ep, nodes, routing)
         out_layouts.append({"tp": tp, "dp": dp, "ep": ep, "nodes": nodes,
                             "devices_per_node": ep // nodes, "destinations": dest.as_dict()})
+        balance = balances[ep] if balances else dl.BALANCED
+        out_layouts[-1]["balance"] = balance.name
         for t in tokens:
-            ests, fastest = dl.sweep(cfg, ep, nodes, t, routing)
+            ests, fastest = dl.sweep(cfg, ep, nodes, t, routing, balance)
             rows += [{"tp": tp, "dp": dp, **e.as_dict()} for e in ests.values()]
             auto.append({"tp": tp, "dp": dp, "ep": ep, "nodes": nodes, "tokens": t,
                          "fastest": fastest, "layer_s": ests[fastest].layer_s,

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from k3jax.cli import replicas
 from k3jax.cli.common import (
     DTYPES,
     UsageError,
@@ -81,6 +82,7 @@ def _bench(args: argparse.Namespace, prog: str) -> int:
         raise UsageError(f"--layer {layer} is out of range: {args.checkpoint} has "
                          f"{cfg.num_hidden_layers} layers (0..{cfg.num_hidden_layers - 1})")
     check_moe_only_flags(args, cfg, [layer])
+    placements = replicas.placements_from_args(args, cfg, parallel, [layer])
     warn_config_defaults(prog, os.path.join(args.checkpoint, "config.json"),
                          reader.math_defaults, list(reader.math_defaults))
     request_devices(parallel.num_devices, device_flags(args))
@@ -102,7 +104,8 @@ def _bench(args: argparse.Namespace, prog: str) -> int:
         t0 = time.perf_counter()
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             module = load_layer(reader, layer, parallel, mesh, dtype=DTYPES[args.dtype],
-                                mxfp4=args.mxfp4, workers=args.workers)
+                                mxfp4=args.mxfp4, workers=args.workers,
+                                expert_placement=(placements or {}).get(layer))
         jax.block_until_ready(jax.tree.leaves(nnx.state(module)))
         seconds = time.perf_counter() - t0
         on_device[:] = [] if on_host else _device_op_params(module)
@@ -112,7 +115,7 @@ def _bench(args: argparse.Namespace, prog: str) -> int:
     def read_host_side(host_ops: bool | None = None) -> float:
         t0 = time.perf_counter()
         read_layers(reader, [layer], parallel, mesh, dtype=DTYPES[args.dtype], mxfp4=args.mxfp4,
-                    workers=args.workers, host_ops=host_ops)
+                    workers=args.workers, host_ops=host_ops, expert_placements=placements)
         return time.perf_counter() - t0
 
     load()                                   # warms the page cache, compiles the ops
@@ -194,10 +197,11 @@ def _device_op_params(module) -> list:
 
     from k3jax.checkpoint.names import layer_tensors
     from k3jax.checkpoint.source import device_op
+    from k3jax.variables import WEIGHTS
 
     refs = layer_tensors(module.__class__.__name__ == "KimiMoE")
     out = []
-    for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    for path, v in nnx.to_flat_state(nnx.state(module, WEIGHTS)):
         op = device_op(refs[".".join(map(str, path))])
         if op is not None:
             out.append((op, v.get_value()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3jax.cli import replicas
 from k3jax.cli.common import (
     UsageError,
     add_layer_flags,
@@ -40,10 +41,12 @@ def _plan(args: argparse.Namespace):
 
     cfg, source = config_from_args(args)
     parallel = layer_parallel_from_args(args)
+    placements = replicas.placements_from_args(args, cfg, parallel, None)   # every layer of it
     try:
         with layout_errors(parallel):
             return make_plan(cfg, parallel, tokens=args.tokens, dtype=args.dtype,
-                             expert_dtype=args.expert_dtype, source=source)
+                             expert_dtype=args.expert_dtype, source=source,
+                             expert_placement=next(iter((placements or {}).values()), None))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -65,6 +68,7 @@ def print_plan(plan, file=None) -> None:
                 "router": f"{plan.dtype} + float32 bias", "latent_projections": plan.dtype,
                 "routed_experts": plan.expert_dtype + (" (0.53125 B/param)"
                                                        if plan.expert_dtype == "mxfp4" else "")}
+    dtype_of["redundant_experts"] = dtype_of["routed_experts"]   # replicas of routed experts
     layers = {"dense_mlp": cfg.num_dense_layers}
     table = Table(title="Per-device weight bytes, summed over all layers")
     for column, justify in (("component", "left"), ("dtype", "left"), ("layers", "right"),

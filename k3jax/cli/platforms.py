@@ -7,7 +7,7 @@ plugin configuration error ... cuInit(0) failed" traceback before falling
 back to the CPU. Without an NVIDIA device node there is no GPU to find, so the
 CLI asks for the CPU directly. A JAX_PLATFORMS the user set is never changed.
 
-XLA_FLAGS gets k3jax.xla_options.OVERLAP_XLA_FLAGS (no collective combining,
+XLA_FLAGS gets k3jax.xla_options.GPU_XLA_FLAGS (no collective combining,
 so the shared expert's collectives can overlap the routed experts on a GPU),
 except a flag the user already set.
 
@@ -31,7 +31,7 @@ import platform
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-from k3jax.xla_options import with_overlap_flags
+from k3jax.xla_options import with_gpu_flags
 
 NVIDIA_DEVICE_NODE = Path("/dev/nvidiactl")
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -52,9 +52,9 @@ def default_jax_platforms(environ: MutableMapping[str, str] = os.environ,
 
 
 def default_xla_flags(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Add OVERLAP_XLA_FLAGS to ``environ``'s XLA_FLAGS (a flag already set
+    """Add GPU_XLA_FLAGS to ``environ``'s XLA_FLAGS (a flag already set
     stands). Returns the new value."""
-    environ["XLA_FLAGS"] = with_overlap_flags(environ.get("XLA_FLAGS", ""))
+    environ["XLA_FLAGS"] = with_gpu_flags(environ.get("XLA_FLAGS", ""))
     return environ["XLA_FLAGS"]
 
 

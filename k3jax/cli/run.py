@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from k3jax.cli import replicas
 from k3jax.cli.common import (
     BACKENDS,
     DTYPES,
@@ -53,6 +54,11 @@ def add_parser(sub) -> None:
                         "and run in sequence, each layer's output the next one's input")
     p.add_argument("--input", metavar="X.npy", help="float32 [T, hidden] (default: random, T=7)")
     p.add_argument("--output", metavar="Y.npy", help="where to write float32 [T, hidden]")
+    p.add_argument("--expert-load", metavar="OUT.json",
+                   help="write each MoE layer's router statistics as one JSON object keyed by "
+                        "layer index: tokens_per_expert, tokens_per_device (mesh device order), "
+                        "tokens_per_node, mean_score_per_expert, imbalance {device, node} "
+                        "(max / mean tokens)")
     p.add_argument("--cotangent", metavar="DY.npy",
                    help="float32 [T, hidden], the input's shape: the cotangent of the output for "
                         "--grads (needs --grads)")
@@ -124,6 +130,7 @@ def _process_spec(args: argparse.Namespace) -> startup.ProcessSpec | None:
 
 
 def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> int:
+    from pallas_kernels.backend import BackendName, parse_backend
     local_devices = check_flags(args, spec)
     parallel = parallel_from_args(args, args.devices)
     leader = spec is None or spec.is_leader
@@ -143,7 +150,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
             opened = open_run(args, path)
             check_layout(args, opened, parallel)
         request_devices(local_devices)
-        if args.backend == "interpret":
+        if parse_backend(args.backend) is BackendName.INTERPRET:
             interpret_compat.reserve_pool_threads(local_devices)
         if spec is not None:
             startup.initialize(spec)
@@ -155,25 +162,30 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         from k3jax.checkpoint import load_layers
         from k3jax.layout import make_mesh
         from k3jax.tools.memory import format_bytes, param_shard_bytes
+        from k3jax.variables import WEIGHTS
 
         check_backend(args.backend, jax.default_backend())
         require_devices(parallel.num_devices)
         if spec is not None:
             opened = _agree(args, spec, parallel, path)
         reader, cfg, layer, layers, x, dy = opened
+        placements = replicas.placements_from_args(args, cfg, parallel, layers)
         mesh = make_mesh(parallel, pick_devices(parallel.num_devices))
         with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
             modules = load_layers(reader, layers, parallel, mesh, dtype=DTYPES[args.dtype],
-                                  backend=args.backend, mxfp4=args.mxfp4, progress=True)
+                                  backend=args.backend, mxfp4=args.mxfp4, progress=True,
+                                  expert_placements=placements)
         module = modules[0]
 
-        graphdefs, state = zip(*(nnx.split(m) for m in modules))
-        forward = jax.jit(lambda state, x: _in_sequence(graphdefs, state, x).astype(jnp.float32))
+        graphdefs, state = zip(*(nnx.split(_stats_on(m, True)) for m in modules))
+        for m in modules:    # the gradients' program (--grads) runs without statistics
+            _stats_on(m, False)
+        forward = jax.jit(lambda state, x: _in_sequence(graphdefs, state, x))
         x_dev = jnp.asarray(x) if spec is None else agreement.replicated(x, mesh)
-        if spec is not None and args.backend != "xla":
+        if spec is not None and parse_backend(args.backend) is not BackendName.XLA:
             _agree_kernel_backends(spec, forward, state, x_dev)
         t0 = time.perf_counter()
-        y = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
+        y, loads = jax.block_until_ready(forward(state, x_dev))   # compiles: never timed
         first = time.perf_counter() - t0
         if spec is not None:
             print(f"{spec.tag} first forward done ({first * 1e3:.1f} ms, with compilation)",
@@ -181,7 +193,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         times = []
         for _ in range(args.repeat or 0):
             t0 = time.perf_counter()
-            y = jax.block_until_ready(forward(state, x_dev))
+            y, loads = jax.block_until_ready(forward(state, x_dev))
             times.append(time.perf_counter() - t0)
         grads = None if dy is None else _gradients(module, layer, x_dev, dy, mesh, spec,
                                                          reader.prefix)
@@ -192,6 +204,10 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         y_host = agreement.gather(y).astype(np.float32)
     if not np.all(np.isfinite(y_host)):
         raise RuntimeError("the forward produced NaN or inf; no output written")
+    from k3jax.modules.router_stats import expert_load_json
+
+    expert_load = {str(i): expert_load_json(load) for i, load in zip(layers, loads)
+                   if load is not None}
     if not leader:
         print(f"{spec.tag} done; process 0 writes the output", flush=True)
         return 0
@@ -210,7 +226,7 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
         print(_describe_layout(m, cfg.is_moe_layer(i), x.shape[0]))
         per_param = param_shard_bytes(m)
         arrays = {".".join(map(str, path)): var.get_value()
-                  for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+                  for path, var in nnx.to_flat_state(nnx.state(m, WEIGHTS))}
         for name, value in sorted(per_param.items()):
             array = arrays[name]
             print(f"  {name:18s} {str(list(array.shape)):18s} {str(array.sharding.spec):28s} "
@@ -222,21 +238,54 @@ def _run(args: argparse.Namespace, spec: startup.ProcessSpec | None = None) -> i
               f"runs after the first, compiling one ({first * 1e3:.1f} ms)")
     print(f"output: [{y_host.shape[0]}, {y_host.shape[1]}] float32, mean |y| = "
           f"{float(np.mean(np.abs(y_host))):.6f}")
+    for i, stats in expert_load.items():
+        print(f"{'' if len(expert_load) == 1 else f'layer {i} '}device imbalance: "
+              f"{stats['imbalance']['device']:.2f} (max / mean routed tokens per device, "
+              f"{len(stats['tokens_per_device'])} devices; node: {stats['imbalance']['node']:.2f})")
     if args.output:
         atomic_save_npy(args.output, y_host)
         print(f"wrote {args.output}")
+    if args.expert_load:
+        _save_expert_load(args.expert_load, expert_load)
     if grads is not None:
         _save_gradients(args.grads, grads)
     return 0
 
 
 def _in_sequence(graphdefs, states, x):
-    """Each layer's output is the next one's input."""
+    """Each layer's output is the next one's input: (the last output as
+    float32, [each layer's ExpertLoad, None for a dense layer])."""
+    import jax.numpy as jnp
     from flax import nnx
 
+    from k3jax.modules.router_stats import RouterStats, expert_loads
+
+    loads = []
     for graphdef, state in zip(graphdefs, states):
-        x = nnx.merge(graphdef, state)(x)
-    return x
+        module = nnx.merge(graphdef, state)
+        if getattr(module, "router_stats", False):
+            x, stats = nnx.capture(module, RouterStats)(x)
+            loads.append(expert_loads(stats)[()])
+        else:
+            x = module(x)
+            loads.append(None)
+    return x.astype(jnp.float32), loads
+
+
+def _stats_on(module, on: bool):
+    """``module`` with its router statistics ``on`` (MoE layers; a dense one as it is)."""
+    if hasattr(module, "router_stats"):
+        module.router_stats = on
+    return module
+
+
+def _save_expert_load(path: str, expert_load: dict) -> None:
+    import json
+
+    from k3jax.files import atomic_write
+
+    atomic_write(path, lambda f: f.write(json.dumps(expert_load, indent=1) + "\n"), mode="w")
+    print(f"wrote {path}: router statistics of {len(expert_load)} MoE layer(s)")
 
 
 def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
@@ -261,7 +310,7 @@ def _gradients(module, layer: int, x_dev, dy: np.ndarray, mesh,
     weights = {path: host(v) for path, v in sorted(g.weights.items())}
     if spec is not None and not spec.is_leader:
         return None
-    named = checkpoint_tensors(module, layer, weights)
+    named = checkpoint_tensors(module, layer, weights, replicas="sum")   # slots summed per expert
     out = {"input": dx, **{prefix + name: a for name, a in named.items()}}
     bad = [name for name, a in out.items() if not np.all(np.isfinite(a))]
     if bad:

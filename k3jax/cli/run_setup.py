@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from k3jax.cli import replicas
 from k3jax.cli.common import (
     UsageError,
     check_backend,
@@ -50,6 +51,7 @@ def check_flags(args: argparse.Namespace, spec: startup.ProcessSpec | None) -> i
     if spec is None or spec.is_leader:   # only process 0 writes the output
         check_output(args.output, "--output")
         check_output(args.grads, "--grads")
+        check_output(getattr(args, "expert_load", None), "--expert-load")
     check_grad_flags(args)
     if os.environ.get("JAX_PLATFORMS") == "cpu":   # known without starting a backend
         check_backend(args.backend, "cpu")
@@ -131,4 +133,5 @@ def check_layout(args: argparse.Namespace, opened: Opened, parallel) -> None:
 
     with layout_errors(parallel, mxfp4_fix="--mxfp4 dequantize"):
         make_layout(opened.cfg, parallel, abstract_mesh(parallel), backend="xla")
+    replicas.placements_from_args(args, opened.cfg, parallel, opened.layers)   # exit 1 naming it
     check_device_count(parallel.num_devices, device_flags(args))

@@ -75,23 +75,25 @@ def check_backend_here(backend: str, platform: str) -> None:
     """A UsageError naming ``backend`` when this machine cannot run it."""
     import jax
 
-    from pallas_kernels.backend import cuda_capability, describe_devices
+    from pallas_kernels.backend import BackendName, cuda_capability, describe_devices, parse_backend
 
     check_backend(backend, platform)
-    if backend == "triton" and importlib.util.find_spec("jax_triton") is None:
+    name = parse_backend(backend)
+    if name is BackendName.TRITON and importlib.util.find_spec("jax_triton") is None:
         raise UsageError("--backend triton needs jax-triton and triton: pip install 'k3jax[triton]'")
-    if backend in ("pallas", "triton"):
+    if name in (BackendName.PALLAS, BackendName.TRITON):
         capability = cuda_capability(describe_devices(jax.devices()[:1]))
-        if backend == "pallas" and (capability is None or capability // 10 != 9):
+        if name is BackendName.PALLAS and (capability is None or capability // 10 != 9):
             raise UsageError(f"--backend pallas needs a Hopper GPU (sm_90), and this one is "
                              f"sm_{capability}; use --backend triton or xla")
-        if backend == "triton" and (capability is None or capability < 80):
+        if name is BackendName.TRITON and (capability is None or capability < 80):
             raise UsageError(f"--backend triton needs a CUDA GPU sm_80 or newer, and this one is "
                              f"sm_{capability}")
 
 
 def layer_checks(args: argparse.Namespace, *, tune: bool):
     """The Records of the layer the flags describe (run_layer_checks)."""
+    from pallas_kernels.backend import BackendName, parse_backend
     cfg, _ = config_from_args(args)
     parallel = parallel_from_args(args, args.devices)
     if args.pad_under_ep:
@@ -105,7 +107,7 @@ def layer_checks(args: argparse.Namespace, *, tune: bool):
     if why := memory_problem(args.tokens * cfg.hidden_size * 4, f"--tokens {args.tokens}"):
         raise UsageError(why)
     request_devices(parallel.num_devices, device_flags(args))
-    if args.backend == "interpret":
+    if parse_backend(args.backend) is BackendName.INTERPRET:
         interpret_compat.reserve_pool_threads(1)
     import jax
 

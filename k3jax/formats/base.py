@@ -43,7 +43,9 @@ class ExpertLayout:
     """What the Layout decided for one layer's routed experts, in the dense
     weights' global shapes w1, w3 [E, L, F] and w2 [E, F, L].
 
-    num_experts   E (all of them; EP splits axis 0 per ``specs``)
+    num_experts   E (all of them; EP splits axis 0 per ``specs``), or the
+                  E + R slots with redundant experts (the module then marks
+                  each declaration's ``slots``: the logical expert of each)
     latent        L
     intermediate  I, the real intermediate
     padded        F >= I (docs/spec.md §5); each of ``shards`` blocks of F
@@ -109,7 +111,7 @@ class WeightFormat:
     registered under ``name`` (k3jax.formats.registry.register_format)."""
 
     name = ""
-    packed = False   # held as other than float arrays in the Layout's dtype: frozen, no gradient
+    packed = False   # not float arrays in the Layout's dtype: frozen (PackedWeight decls)
     codec = False    # stores a float weight in tensors of its own (stored_names ... encode)
     fact_params: tuple[str, ...] = ()   # parameters whose stored bytes decide a fact
 

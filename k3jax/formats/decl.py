@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from k3jax.variables import PackedWeight
+
 
 class Init(enum.Enum):
     """What random values suit a float parameter (k3jax.modules.params.RandomSource)."""
@@ -63,7 +65,12 @@ class ParamDecl:
     entry is real; ``variable`` the nnx.Variable type that holds it
     (k3jax.variables): nnx.Param for a weight that trains by gradient,
     RouterBias for the router's selection bias, PackedWeight for a packed
-    format's integer arrays."""
+    format's integer arrays; None (the default) is nnx.Param for a floating
+    dtype and PackedWeight for any other, which never trains. ``slots``: for a routed-expert parameter held
+    in redundant expert slots (k3jax.layout.expert_placement), the logical
+    expert of each entry along axis 0 (every expert in [0, max + 1) at
+    least once); a source fills entry s with logical expert slots[s]'s
+    values, so replicas are exact copies. None: entry e is expert e."""
 
     name: str
     shape: tuple[int, ...]
@@ -72,7 +79,18 @@ class ParamDecl:
     init: Union[Init, RandomInit] = Init.WEIGHT
     fan_in: int = 1
     padding: Padding | None = None
-    variable: type[nnx.Variable] = nnx.Param
+    variable: type[nnx.Variable] | None = None
+    slots: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.variable is None:
+            floating = jnp.issubdtype(self.dtype, jnp.floating)
+            object.__setattr__(self, "variable", nnx.Param if floating else PackedWeight)
+
+    @property
+    def num_logical(self) -> int:
+        """The logical experts behind axis 0: max(slots) + 1, else shape[0]."""
+        return self.shape[0] if self.slots is None else max(self.slots) + 1
 
 
 __all__ = ["Init", "Padding", "ParamDecl", "RandomInit"]

@@ -13,7 +13,8 @@ Parameters (F the padded intermediate, L the latent width):
 A code array's spec is its weight's with the last two entries swapped (F's
 padding moves with F); a scale array's is the weight's. The grouped matmuls
 take ``Mxfp4Weights(codes, scales, dequant, k_order_axis)`` and dequantize
-one active expert at a time; the uint8 arrays get no gradient.
+one active expert at a time; the uint8 arrays get no gradient (they are
+k3jax.variables.PackedWeight, not nnx.Param).
 
 Static facts, in the format the Layout holds: ``dequant`` (Mxfp4Dequant:
 FAST when every stored scale byte is in 2..128, else EXACT; the loader reads
@@ -34,6 +35,7 @@ import numpy as np
 from k3jax.formats.base import ExpertLayout, StoredTensor, WeightFormat, swap_last
 from k3jax.formats.decl import ParamDecl
 from k3jax.runtime.agreement import agree_mxfp4_dequant
+from k3jax.variables import PackedWeight
 from pallas_kernels.backend import Family
 from pallas_kernels.mxfp4 import (
     BLOCK_SIZE,
@@ -119,16 +121,16 @@ class Mxfp4Format(WeightFormat):
         for w, spec in (("w1", el.specs[0]), ("w3", el.specs[1])):   # F is the output axis
             codes, scales = PARAM_NAMES[w]
             decls += [ParamDecl(codes, (E, F, L // 2), u8, swap_last(spec, 3), random_codes, L,
-                                el.padding(1)),
+                                el.padding(1), PackedWeight),
                       ParamDecl(scales, (E, L // BLOCK_SIZE, F), u8, spec, random_scales, L,
-                                el.padding(2))]
+                                el.padding(2), PackedWeight)]
         codes, scales = PARAM_NAMES["w2"]   # F is the (packed) input axis
         spec = el.specs[2]
         return decls + [
             ParamDecl(codes, (E, L, F // 2), u8, swap_last(spec, 3), random_codes, I,
-                      el.padding(2, I // 2)),
+                      el.padding(2, I // 2), PackedWeight),
             ParamDecl(scales, (E, F // BLOCK_SIZE, L), u8, spec, random_scales, I,
-                      el.padding(1, I // BLOCK_SIZE))]
+                      el.padding(1, I // BLOCK_SIZE), PackedWeight)]
 
     def checkpoint_tensors(self) -> dict[str, StoredTensor]:
         out = {}

@@ -2,6 +2,8 @@
 
     parallel               mesh axis roles (data, tensor, node), ParallelConfig,
                            SharedOverlap, EpDispatch, make_mesh
+    user_mesh              check_mesh: a mesh built any way (Explicit axes, the
+                           user's axis names) -> the layer's mesh, or a refusal
     placement              the shared-expert gate and the MLP placements
     expert_storage         the padding rule; the refusal of a format's split
     layout                 Layout and make_layout: specs, padded sizes, dispatch,
@@ -27,11 +29,11 @@ from k3jax.layout.parallel import (
     ParallelConfig,
     SharedOverlap,
     abstract_mesh,
-    check_mesh,
     make_mesh,
     padded_rows,
 )
 from k3jax.layout.placement import LayoutError, MlpLayout, MlpMode, mlp_layout
+from k3jax.layout.user_mesh import check_mesh
 
 __all__ = ["NODE", "EpDispatch", "DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
            "SharedOverlap", "DEFAULT_SHARED_OVERLAP", "MlpMode", "MlpLayout", "MoEMode",

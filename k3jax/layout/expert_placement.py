@@ -109,20 +109,20 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         _positive("num_logical", self.num_logical)
-        if not isinstance(self.slot_expert, tuple):
-            object.__setattr__(self, "slot_expert", tuple(int(e) for e in self.slot_expert))
-        if len(self.slot_expert) < self.num_logical:
-            raise PlacementError(f"{len(self.slot_expert)} slots cannot hold {self.num_logical} "
-                                 f"logical experts")
-        check_sizes(self.num_logical, len(self.slot_expert) - self.num_logical, self.ep,
-                    self.nodes)
-        bad = [(s, e) for s, e in enumerate(self.slot_expert)
+        slots = tuple(self.slot_expert)
+        bad = [(s, e) for s, e in enumerate(slots)
                if not isinstance(e, (int, np.integer)) or isinstance(e, bool)
                or not 0 <= e < self.num_logical]
         if bad:
             s, e = bad[0]
             raise PlacementError(f"slot {s} holds expert {e!r}, not a logical expert in "
                                  f"[0, {self.num_logical})")
+        object.__setattr__(self, "slot_expert", tuple(int(e) for e in slots))
+        if len(self.slot_expert) < self.num_logical:
+            raise PlacementError(f"{len(self.slot_expert)} slots cannot hold {self.num_logical} "
+                                 f"logical experts")
+        check_sizes(self.num_logical, len(self.slot_expert) - self.num_logical, self.ep,
+                    self.nodes)
         missing = sorted(set(range(self.num_logical)) - set(self.slot_expert))
         if missing:
             raise PlacementError(f"no slot holds logical expert(s) {missing[:8]}"
@@ -312,7 +312,7 @@ def place_experts(load_E, redundant: int, nodes: int, ep: int,
         nodes_used = 1                      # vLLM's global policy: one packing over all devices
     else:
         nodes_used = nodes
-    G, S = ep // nodes_used, (E + redundant) // ep
+    G = ep // nodes_used
     per_group = E // groups
     node_of_group = balanced_packing(load.reshape(groups, per_group).sum(1), nodes_used)
     slot_expert = []
@@ -324,8 +324,6 @@ def place_experts(load_E, redundant: int, nodes: int, ep: int,
         device_of = balanced_packing(np.repeat(load[experts] / count, count), G)
         for g in range(G):
             slot_expert += sorted(int(e) for e in slot_of[device_of == g])
-    assert len(slot_expert) == E + redundant and all(
-        len(slot_expert[d * S:(d + 1) * S]) == S for d in range(ep))
     return ExpertPlacement(E, ep, nodes, tuple(slot_expert))
 
 
@@ -364,19 +362,24 @@ def replica_choice(ids_TK: jnp.ndarray, row_T: jnp.ndarray, replicas_EM: jnp.nda
     return jnp.where(valid, replicas_EM[safe, j], num_slots).astype(jnp.int32)
 
 
+def _read_json(path: str):
+    """The JSON document at ``path``; PlacementError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise PlacementError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlacementError(f"{path}: not JSON ({e})") from None
+
+
 def read_expert_load(path: str, num_experts: int) -> dict[int, np.ndarray]:
     """{MoE layer index: tokens_per_expert float64 [E]} of a load file
     (module docstring). PlacementError naming the file, the layer and the
     field for anything else: not JSON, not an object of layers, a
     tokens_per_expert (or mean_score_per_expert) of another length than
     ``num_experts``, negative or non-integer counts."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise PlacementError(f"{path}: cannot read: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlacementError(f"{path}: not JSON ({e})") from None
+    doc = _read_json(path)
     if not isinstance(doc, dict) or not doc:
         raise PlacementError(f"{path}: expected a JSON object keyed by MoE layer index")
     out = {}
@@ -428,13 +431,7 @@ def write_placements(path: str, placements: dict[int, ExpertPlacement]) -> None:
 
 def read_placements(path: str) -> dict[int, ExpertPlacement]:
     """{layer: placement} of a placement file (PlacementError naming the file)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise PlacementError(f"{path}: cannot read: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlacementError(f"{path}: not JSON ({e})") from None
+    doc = _read_json(path)
     return placements_from_json(doc, path)
 
 

@@ -67,19 +67,16 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
+from k3jax.choices import layout_dtype
 from k3jax.config import K3Config
 from k3jax.formats import ExpertLayout, ExpertStorage, WeightFormat, get_format
 from k3jax.layout import ep_dispatch_choice, shared_overlap_choice
+from k3jax.layout.expert_placement import ExpertPlacement
 from k3jax.layout.expert_storage import ExpertShardError, padded_moe_intermediate
-from k3jax.layout.parallel import (
-    NODE,
-    TENSOR,
-    EpDispatch,
-    ParallelConfig,
-    SharedOverlap,
-    check_mesh,
-)
+from k3jax.layout.parallel import NODE, TENSOR, EpDispatch, ParallelConfig, SharedOverlap
 from k3jax.layout.placement import LayoutError, MlpLayout, MlpMode, mlp_layout
+from k3jax.layout.redundant import ExpertSlots, resolve_placement
+from k3jax.layout.user_mesh import check_mesh
 from pallas_kernels.backend import XLA, Backend, BackendName, KernelBackend, parse_backend, resolve
 
 
@@ -115,7 +112,7 @@ class Dispatch(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(ExpertSlots):   # num_slots, local_experts: k3jax.layout.redundant
     """Everything decided for one K3 layer: placement, backend, expert
     storage, dtype (module docstring). Made by ``make_layout`` only.
 
@@ -135,6 +132,7 @@ class Layout:
     dtype: jnp.dtype            # activations and float weights
     ep_dispatch: EpDispatch     # under EP: how rows reach the experts (AUTO until for_tokens)
     ragged_emulated: bool       # ragged all-to-all as its CPU emulation (CPU devices)
+    expert_placement: ExpertPlacement | None = None   # redundant slots (.redundant); None: slot e = e
 
     # -- token rows --------------------------------------------------------
     @property
@@ -154,23 +152,20 @@ class Layout:
     def expert_axes(self) -> tuple[str, ...]:
         """Axes that hold different experts, outermost first: under EP the
         data axes, and TENSOR when tp > 1 (with or without sequence
-        parallelism). Device i of them (row-major) holds experts
-        [i E_local, (i + 1) E_local), so node n holds a contiguous block."""
+        parallelism). Device i of them (row-major) holds slots [i E_local,
+        (i + 1) E_local), so node n holds a contiguous block; slot s holds
+        expert s, or expert_placement.slot_expert[s] with redundant slots."""
         if self.moe_mode is not MoEMode.EP:
             return ()
         data = self.parallel.data_axes
         return (*data, TENSOR) if self.parallel.tp > 1 else data
 
     @property
-    def local_experts(self) -> int:
-        return self.cfg.num_experts // (self.parallel.ep)
-
-    @property
     def expert_layout(self) -> ExpertLayout:
         """What the expert format reads of this layout: sizes, padding,
         the dense weights' specs, dtype and backend."""
         cfg = self.cfg
-        return ExpertLayout(cfg.num_experts, cfg.routed_expert_hidden_size,
+        return ExpertLayout(self.num_slots, cfg.routed_expert_hidden_size,
                             cfg.moe_intermediate_size, self.padded_moe_intermediate,
                             self.expert_shards, (self.w13_ELF, self.w13_ELF, self.w2_EFL),
                             self.dtype, self.backend)
@@ -259,7 +254,7 @@ class Layout:
         routed experts'? A claim checked against the H200 schedule
         (tests/test_aot_layouts.py at 256 and 8192 tokens;
         tests/test_shared_weights_schedule.py for WEIGHTS at 2048 and 8192;
-        compiled with k3jax.xla_options.OVERLAP_COMPILER_OPTIONS).
+        compiled with k3jax.xla_options.GPU_COMPILER_OPTIONS).
 
         vLLM switches its shared/routed stream overlap off for a sharded shared
         expert because the expert issues collectives of its own, and two streams
@@ -359,7 +354,8 @@ class Layout:
                  f"token rows split over {self.token_axes} into {self.row_shards} blocks",
                  f"dense MLP: {self.dense_mlp.mode.value} ({self.dense_mlp.reason})",
                  f"shared expert: {self.shared_mlp.mode.value} ({self.shared_mlp.reason})",
-                 f"routed experts: {self.moe_mode.value}, {self.local_experts} per device, "
+                 f"routed experts: {self.moe_mode.value}, {self.local_experts} per device"
+                 f"{self.redundant_note}, "
                  f"intermediate {self.cfg.moe_intermediate_size} -> padded "
                  f"{self.padded_moe_intermediate} over {self.expert_shards} shard(s)",
                  f"routed dispatch: {self.dispatch.value}"
@@ -375,26 +371,29 @@ class Layout:
 def make_layout(cfg: K3Config, parallel: ParallelConfig,
                 mesh: Mesh | AbstractMesh | None = None, *, backend: Backend = "auto",
                 experts: str | ExpertStorage | WeightFormat = ExpertStorage.DENSE,
-                dtype=jnp.float32) -> Layout:
-    """Decide every placement and build choice of one K3 layer on a (dp, tp)
-    mesh, with clear errors for what the mesh cannot hold.
-
-    ``mesh`` (the one the modules will run on) must be the mesh ``parallel``
-    describes; its devices resolve ``backend`` once (without devices, "auto"
-    is "xla"). ``experts``: a registered format's name, an ExpertStorage
-    member or a WeightFormat (k3jax.formats; e.g. a packed format stating
-    its dequant), held bound to the layout. Raises LayoutError when a size
-    does not split over the mesh, and ExpertShardError when the format (of
-    a model with MoE layers) refuses the split."""
+                dtype=jnp.float32, expert_placement: ExpertPlacement | None = None) -> Layout:
+    """Every placement and build choice of one K3 layer on a (dp, tp) mesh.
+    ``mesh`` (the modules') must be the one ``parallel`` describes; its
+    devices resolve ``backend`` (a name, BackendName or KernelBackend) once
+    (no devices: "auto" is "xla"). ``experts``: a format's name, an
+    ExpertStorage or a WeightFormat, held bound to the layout. ``dtype``:
+    one of k3jax.choices.LAYOUT_DTYPES or its name. ValueError for a dtype
+    no kernel takes or a choice that is none (naming the choices),
+    LayoutError when a size does not split over the mesh, ExpertShardError
+    when the format (of a model with MoE layers) refuses the split.
+    ``expert_placement`` with ``parallel.redundant_experts``: the redundant
+    expert slots (k3jax.layout.redundant; RedundantExpertsError naming the flag)."""
+    dtype = layout_dtype(dtype, "make_layout")
     fmt = get_format(experts)
     if mesh is not None:
         check_mesh(mesh, parallel, "make_layout")
     devices = list(mesh.devices.flat) if isinstance(mesh, Mesh) else None
     auto = parse_backend(backend) is BackendName.AUTO
     resolved = XLA if auto and not devices else resolve(backend, devices)
+    placement = resolve_placement(cfg, parallel, expert_placement)
     if parallel.expert_parallel:
         moe_mode = MoEMode.EP
-        if cfg.num_experts % parallel.ep:
+        if placement is None and cfg.num_experts % parallel.ep:
             raise LayoutError(f"expert parallel: num_experts {cfg.num_experts} is not divisible "
                              f"by the EP size dp*tp = {parallel.ep}")
         shards = 1
@@ -413,9 +412,10 @@ def make_layout(cfg: K3Config, parallel: ParallelConfig,
                     shared_mlp=mlp_layout(parallel, cfg.hidden_size,
                                           cfg.shared_intermediate_size, layer_kind="moe"),
                     moe_mode=moe_mode, expert_shards=shards, padded_moe_intermediate=padded,
-                    backend=resolved, experts=fmt, dtype=jnp.dtype(dtype),
+                    backend=resolved, experts=fmt, dtype=dtype,
                     ep_dispatch=parallel.ep_dispatch,
-                    ragged_emulated=bool(devices) and devices[0].platform == "cpu")
+                    ragged_emulated=bool(devices) and devices[0].platform == "cpu",
+                    expert_placement=placement)
     if cfg.num_moe_layers and (why := fmt.split_refusal(layout.expert_layout)):
         raise ExpertShardError(why)
     _check_ep_dispatch(layout)

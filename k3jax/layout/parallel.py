@@ -16,6 +16,10 @@ under sequence parallelism, else data_axes (the tensor axis then holds every
 row of its data group), into ``row_shards`` blocks; T is padded to a multiple
 of them (``padded_rows``). What each MLP and the routed experts do on that
 mesh is k3jax.layout's.
+
+A mesh need not come from ``make_mesh``: ``ParallelConfig.axis_names`` maps
+the roles to the user's axis names, and k3jax.layout.user_mesh turns any
+mesh of those axes (Explicit axis types included) into the layer's mesh.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import dataclasses
 import enum
 import math
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from k3jax.choices import as_choice
 
 NODE = "node"
 DATA = "data"
@@ -36,6 +42,9 @@ TENSOR = "tensor"
 MESH_AXES = (DATA, TENSOR)
 """The axes of a one-node mesh; over several nodes NODE comes first
 (``ParallelConfig.mesh_axes``)."""
+ROLES = (NODE, DATA, TENSOR)
+"""The roles of the mesh axes, outermost first (ParallelConfig.axis_names
+maps them to a user's axis names)."""
 SHARD_SHARED_EXPERT_ENV = "K3JAX_SHARD_SP_SHARED_EXPERT"
 
 
@@ -119,6 +128,11 @@ those whose compiled 8 x H200 schedule keeps the overlap (docs/latency.md)."""
 class ParallelConfig:
     """How the block is spread over a (dp, tp) mesh.
 
+    Every choice takes its enum member or the member's value, the string the
+    CLI's flag takes (``ep_dispatch="all-to-all"``, ``shared_overlap="ring"``);
+    the field holds the member. Anything else is a ValueError listing the
+    choices.
+
     shard_shared_expert: opt-in TP sharding of the shared expert and dense MLP
       under sequence parallelism. Resolved once, at construction, to a bool:
       None reads ``K3JAX_SHARD_SP_SHARED_EXPERT`` (``1`` on; ``0``, empty or
@@ -135,10 +149,21 @@ class ParallelConfig:
       read only under EP.
     shared_scatter_dtype: the dtype (one of SCATTER_DTYPES) in which the
       token-side forms (NONE, RING) send and sum their partial sums over
-      TENSOR: "float32" or "bfloat16" (half the bytes of the largest
+      TENSOR: "float32" or "bfloat16", or that dtype (held as its name) (half the bytes of the largest
       transfer; bf16 rounding of each partial and of each running sum).
       None (default): float32 for NONE and RING, the table's pick under
       AUTO. WEIGHTS has no partial sums; it ignores the field.
+    axis_names: the user's mesh axis name of each role, for a mesh whose
+      names are not k3jax's: {"data": "batch", "tensor": "model"} (a role
+      left out keeps its own name: data, tensor, node). Held as a tuple of
+      (role, name) pairs in ROLES order (hashable); ``axis_name(role)``
+      reads it. The mesh the user passes (make_layout, the modules) must
+      use these names; k3jax.layout.user_mesh maps it onto k3jax's.
+    redundant_experts: R >= 0 redundant expert slots under expert
+      parallelism (``--redundant-experts``): the layer holds E + R slots,
+      (E + R) / ep a device, placed by make_layout's ``expert_placement`` or,
+      without one, for uniform load (k3jax.layout.expert_placement). 0
+      (default): one slot per expert, the layout without redundancy.
     """
 
     dp: int = 1
@@ -147,18 +172,26 @@ class ParallelConfig:
     expert_parallel: bool = False
     shard_shared_expert: bool | None = None
     pad_under_ep: bool = False
-    shared_overlap: SharedOverlap = DEFAULT_SHARED_OVERLAP
+    shared_overlap: SharedOverlap | str = DEFAULT_SHARED_OVERLAP
     shared_scatter_dtype: str | None = None
     nodes: int = 1
-    ep_dispatch: EpDispatch = EpDispatch.AUTO
+    ep_dispatch: EpDispatch | str = EpDispatch.AUTO
+    axis_names: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep_dispatch, EpDispatch):
-            raise ValueError("ParallelConfig.ep_dispatch must be an EpDispatch, "
-                             f"got {self.ep_dispatch!r}")
-        if not isinstance(self.shared_overlap, SharedOverlap):
-            raise ValueError("ParallelConfig.shared_overlap must be a SharedOverlap, "
-                             f"got {self.shared_overlap!r}")
+        object.__setattr__(self, "axis_names", _role_names(self.axis_names))
+        # a choice is an enum member or its value (the CLI's flag): "all-to-all", "ring"
+        object.__setattr__(self, "ep_dispatch", as_choice(EpDispatch, self.ep_dispatch,
+                                                          "ParallelConfig.ep_dispatch"))
+        object.__setattr__(self, "shared_overlap", as_choice(SharedOverlap, self.shared_overlap,
+                                                             "ParallelConfig.shared_overlap"))
+        if self.shared_scatter_dtype is not None and not isinstance(self.shared_scatter_dtype, str):
+            try:   # a dtype (jnp.bfloat16, np.dtype("float32")) -> its name
+                object.__setattr__(self, "shared_scatter_dtype",
+                                   np.dtype(self.shared_scatter_dtype).name)
+            except TypeError:
+                pass
         if self.shared_scatter_dtype not in (None, *SCATTER_DTYPES):
             raise ValueError(f"ParallelConfig.shared_scatter_dtype must be None or one of "
                              f"{SCATTER_DTYPES}, "
@@ -175,6 +208,12 @@ class ParallelConfig:
                              "(it splits tokens over the tensor axis)")
         if self.pad_under_ep and not self.expert_parallel:
             raise ValueError("ParallelConfig: pad_under_ep only means something with expert_parallel")
+        R = self.redundant_experts
+        if not isinstance(R, int) or isinstance(R, bool) or R < 0:
+            raise ValueError(f"--redundant-experts must be an integer >= 0, got {R!r}")
+        if R and not self.expert_parallel:
+            raise ValueError(f"--redundant-experts {R} needs --expert-parallel (redundant slots "
+                             f"hold whole experts over the EP devices)")
         if self.shard_shared_expert is None:
             object.__setattr__(self, "shard_shared_expert",
                                self.sequence_parallel and _shard_shared_expert_from_env())
@@ -211,6 +250,17 @@ class ParallelConfig:
     def axis_sizes(self) -> dict[str, int]:
         return dict(zip(self.mesh_axes, self.mesh_shape))
 
+    def axis_name(self, role: str) -> str:
+        """The user's mesh axis name of ``role`` (NODE, DATA or TENSOR):
+        ``axis_names``' entry, else the role's own name."""
+        return dict(self.axis_names).get(role, role)
+
+    @property
+    def named_mesh_axes(self) -> tuple[str, ...]:
+        """``mesh_axes`` under the user's names (``axis_name``): the axes of
+        the mesh ``make_mesh`` builds."""
+        return tuple(self.axis_name(role) for role in self.mesh_axes)
+
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The axes dp spans: (NODE, DATA) over several nodes, else (DATA,)."""
@@ -237,11 +287,44 @@ class ParallelConfig:
             parts.append(f"expert-parallel (ep={self.ep})")
             if self.ep_dispatch is not EpDispatch.AUTO:
                 parts.append(f"ep-dispatch {self.ep_dispatch.value}")
+            if self.redundant_experts:
+                parts.append(f"{self.redundant_experts} redundant experts")
         if self.shard_shared_expert:
             parts.append("shard-shared-expert requested")
         if self.pad_under_ep:
             parts.append("pad-under-ep (pre-fix behaviour)")
+        if self.axis_names:
+            parts.append("mesh axes " + ", ".join(f"{r}={n}" for r, n in self.axis_names))
         return ", ".join(parts)
+
+
+def _role_names(value) -> tuple[tuple[str, str], ...]:
+    """ParallelConfig.axis_names as (role, name) pairs in ROLES order;
+    ValueError naming the entry unless each key is a role, each name a
+    non-empty string, and the three roles' names (given or their own) differ."""
+    if value is None:
+        return ()
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+    given: dict[str, str] = {}
+    for pair in pairs:
+        role, name = pair if isinstance(pair, tuple) and len(pair) == 2 else (pair, None)
+        if role not in ROLES:
+            raise ValueError(f"ParallelConfig.axis_names: {role!r} is not a role; the roles are "
+                             f"{', '.join(ROLES)} (role -> your mesh's axis name)")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"ParallelConfig.axis_names[{role!r}] must be a mesh axis name "
+                             f"(a non-empty string), got {name!r}")
+        if name in ROLES and name != role:
+            raise ValueError(f"ParallelConfig.axis_names[{role!r}] = {name!r}: that is k3jax's "
+                             f"name of role {name}; name your axes otherwise")
+        given[role] = name
+    names = {role: given.get(role, role) for role in ROLES}
+    for role in ROLES:
+        others = [r for r in ROLES if r != role and names[r] == names[role]]
+        if others:
+            raise ValueError(f"ParallelConfig.axis_names: roles {role} and {others[0]} both name "
+                             f"mesh axis {names[role]!r}; each role needs its own axis")
+    return tuple((role, given[role]) for role in ROLES if role in given)
 
 
 def _shard_shared_expert_from_env() -> bool:
@@ -249,15 +332,6 @@ def _shard_shared_expert_from_env() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"{SHARD_SHARED_EXPERT_ENV} must be 0 or 1, got {raw!r}")
     return raw == "1"
-
-
-def check_mesh(mesh: Mesh | AbstractMesh, parallel: ParallelConfig, who: str) -> None:
-    """Raise ValueError unless ``mesh`` is the mesh ``parallel`` describes
-    (``mesh_axes`` of sizes ``mesh_shape``)."""
-    if (tuple(mesh.axis_names) != parallel.mesh_axes
-            or tuple(mesh.axis_sizes) != parallel.mesh_shape):
-        raise ValueError(f"{who}: mesh {dict(mesh.shape)} does not match the layout "
-                         f"({parallel.describe()})")
 
 
 def node_of_devices(devices: Sequence[jax.Device], nodes: int) -> list[int]:
@@ -285,9 +359,10 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     more devices than dp * tp takes the first dp * tp (handy on a CPU with 8
     simulated devices). Axis types are Auto: the modules place weights and
     tokens with explicit NamedShardings and shard_map in_specs themselves.
-    Over several nodes, NODE index n holds exactly the devices of node n
-    (``node_of_devices``: a process's devices never straddle two nodes), in
-    (process, id) order inside each node.
+    The axes carry ``parallel.named_mesh_axes`` (k3jax's names unless
+    ``parallel.axis_names`` says otherwise). Over several nodes, NODE index n
+    holds exactly the devices of node n (``node_of_devices``: a process's
+    devices never straddle two nodes), in (process, id) order inside each node.
     """
     if devices is None:
         devices = jax.devices()
@@ -299,7 +374,7 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
                          f"but {len(devices)} devices are available ({jax.default_backend()}); "
                          f"on the CPU simulate more with --devices / jax_num_cpu_devices")
     if parallel.nodes == 1:
-        return jax.make_mesh((parallel.dp, parallel.tp), MESH_AXES,
+        return jax.make_mesh((parallel.dp, parallel.tp), parallel.named_mesh_axes,
                              axis_types=(AxisType.Auto,) * 2, devices=devices)
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     node = node_of_devices(devices, parallel.nodes)
@@ -309,13 +384,14 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
                          f"{[len(g) for g in by_node]} devices, not {parallel.devices_per_node} "
                          f"each")
     grid = np.array([d for group in by_node for d in group], dtype=object)
-    return Mesh(grid.reshape(parallel.mesh_shape), parallel.mesh_axes,
+    return Mesh(grid.reshape(parallel.mesh_shape), parallel.named_mesh_axes,
                 axis_types=(AxisType.Auto,) * 3)
 
 
 def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
-    """The mesh's shape without devices: for planning full-size layouts."""
-    return AbstractMesh(parallel.mesh_shape, parallel.mesh_axes,
+    """The mesh's shape without devices, under ``parallel.named_mesh_axes``:
+    for planning full-size layouts."""
+    return AbstractMesh(parallel.mesh_shape, parallel.named_mesh_axes,
                         axis_types=(AxisType.Auto,) * len(parallel.mesh_axes))
 
 
@@ -325,5 +401,5 @@ def padded_rows(num_tokens: int, row_shards: int) -> int:
 
 
 __all__ = ["NODE", "DATA", "TENSOR", "MESH_AXES", "SHARD_SHARED_EXPERT_ENV", "ParallelConfig",
-           "SharedOverlap", "EpDispatch", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "check_mesh",
+           "SharedOverlap", "EpDispatch", "DEFAULT_SHARED_OVERLAP", "SCATTER_DTYPES", "ROLES",
            "make_mesh", "node_of_devices", "abstract_mesh", "padded_rows"]

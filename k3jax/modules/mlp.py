@@ -17,11 +17,12 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh
 
 from k3jax.layout import TENSOR, Layout, MlpLayout, MlpMode, SharedOverlap, check_mesh
-from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params
+from k3jax.modules.inputs import as_rows, from_rows
+from k3jax.modules.params import Init, ParamDecl, ParamSource, make_params, source_of
 from k3jax.ops import SiTU, situ_mlp
 from k3jax.ops.matmul import matmul
 from k3jax.parallel.ring import ring_sp_mlp
-from k3jax.parallel.sequence import gather_rows, row_sharded_forward, scatter_rows
+from k3jax.parallel.sequence import gather_rows, on_layer_mesh, row_sharded_forward, scatter_rows
 from pallas_kernels.backend import KernelBackend
 from pallas_kernels.situ_mlp.api import situ_mlp_up
 
@@ -143,24 +144,32 @@ def mlp_local(layout: MlpLayout):
 
 
 class KimiMLP(nnx.Module):
-    """SiTU-GLU MLP on a mesh. ``__call__``: x_TD [T, D] (all rows, any T) ->
-    y_TD [T, D]. Rows are computed split over ``layout.parallel.token_axes``
-    ((data, tensor) under sequence parallelism, else (data,)); the output is
-    placed that way when T is a multiple of the row blocks, else XLA chooses.
+    """SiTU-GLU MLP on a mesh. ``__call__``: x [..., D] (any leading shape)
+    -> y of the same shape, in the Layout's dtype (a floating x is cast to
+    it; any other dtype is a TypeError naming it, k3jax.modules.inputs). The
+    rows (the leading dimensions flattened) are computed split over
+    ``layout.parallel.token_axes`` ((data, tensor) under sequence
+    parallelism, else (data,)); the output is placed that way when their
+    number is a multiple of the row blocks, else XLA chooses.
 
     ``layer`` is the layer's Layout and ``mlp`` one of its MLPs
     (``layer.dense_mlp`` or ``layer.shared_mlp``); the activation, dtype and
-    backend are the Layout's. ``self.layout`` is ``mlp``. ``mesh`` must be
-    the (dp, tp) mesh of ``layer.parallel``.
+    backend are the Layout's. ``self.layout`` is ``mlp``, ``self.cfg`` the
+    model config. ``mesh`` must be the (dp, tp) mesh of ``layer.parallel``.
+    Weights (nnx.Param) come from ``rngs`` (an nnx.Rngs) or ``source``
+    (RandomSource, AbstractSource, a checkpoint's), exactly one.
     """
 
     def __init__(self, layer: Layout, mlp: MlpLayout, mesh: Mesh | AbstractMesh, *,
-                 source: ParamSource, name_prefix: str = ""):
+                 rngs: nnx.Rngs | None = None, source: ParamSource | None = None,
+                 name_prefix: str = ""):
+        source = source_of("KimiMLP", rngs, source)
         if mlp not in (layer.dense_mlp, layer.shared_mlp):
             raise ValueError(f"KimiMLP: mlp must be the Layout's dense_mlp or shared_mlp, "
                              f"got {mlp.mode.value} {mlp.hidden} x {mlp.intermediate}")
-        check_mesh(mesh, mlp.parallel, "KimiMLP")
+        mesh = check_mesh(mesh, mlp.parallel, "KimiMLP")   # the layer's mesh (Auto, k3jax's names)
         self.layout = mlp
+        self.cfg = layer.cfg
         self.act = SiTU.from_config(layer.cfg)
         self.mesh = mesh
         self.dtype = layer.dtype
@@ -171,12 +180,15 @@ class KimiMLP(nnx.Module):
         return {"gate_DF": self.gate_DF[...], "up_DF": self.up_DF[...],
                 "down_FD": self.down_FD[...]}
 
-    def __call__(self, x_TD: jax.Array) -> jax.Array:
-        if x_TD.ndim != 2 or x_TD.shape[1] != self.layout.hidden:
-            raise ValueError(f"KimiMLP: x must be [T, {self.layout.hidden}], got {list(x_TD.shape)}")
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # an x on the user's mesh runs on the layer's, its output placed back like it
+        return on_layer_mesh(self._forward, self.mesh, self.layout.parallel)(x)
+
+    def _forward(self, x: jax.Array) -> jax.Array:
+        x_TD, lead = as_rows(x, self.layout.hidden, "KimiMLP")
         forward = mlp_forward(self.layout.for_tokens(x_TD.shape[0], self.dtype), self.act,
                               self.mesh, self.dtype, self.backend)
-        return forward(x_TD, self.weights())
+        return from_rows(forward(x_TD, self.weights()), lead)
 
 
 @functools.lru_cache(maxsize=64)

@@ -3,15 +3,36 @@ renormalize, scale (docs/spec.md §2). Always float32."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import K3Config
 
 
+class RoutingResult(NamedTuple):
+    """What ``route(..., with_scores=True)`` returns.
+
+    ids_TK      int32 [T, K]: the selected experts (``num_experts`` on invalid rows)
+    weights_TK  float32 [T, K]: their combine weights (0 on invalid rows)
+    scores_TE   float32 [T, E]: every expert's sigmoid score, before the bias
+                (the router's own output; invalid rows are not masked: the
+                caller knows them)
+    """
+
+    ids_TK: jax.Array
+    weights_TK: jax.Array
+    scores_TE: jax.Array
+
+
 def route(x_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: K3Config,
-          valid_T: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """x_TD [T, D], router_DE [D, E], bias_E [E] -> (ids_TK int32, weights_TK float32).
+          valid_T: jax.Array | None = None, *,
+          with_scores: bool = False) -> tuple[jax.Array, jax.Array] | RoutingResult:
+    """x_TD [T, D], router_DE [D, E], bias_E [E] -> (ids_TK int32, weights_TK float32),
+    or with ``with_scores`` a RoutingResult that adds the sigmoid scores
+    scores_TE [T, E] (the same ids and weights, bit for bit: the scores are
+    computed either way).
 
     Rows where ``valid_T`` is False (sequence-parallel padding) are routed to
     no expert: their ids are ``num_experts`` (out of range) and weights 0.
@@ -41,6 +62,8 @@ def route(x_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: K3Confi
     if valid_T is not None:
         ids_TK = jnp.where(valid_T[:, None], ids_TK, cfg.num_experts)
         weights_TK = jnp.where(valid_T[:, None], weights_TK, 0.0)
+    if with_scores:
+        return RoutingResult(ids_TK, weights_TK, scores_TE)
     return ids_TK, weights_TK
 
 

@@ -12,7 +12,9 @@ returns None), ``0 <= process_id < num_processes``, and ``coordinator`` is
 ``HOST:PORT`` with ``0 < PORT < 65536``. Process 0 runs the coordination
 service and writes the run's output.
 
-:func:`initialize` turns on gloo CPU collectives and calls
+:func:`initialize` first has every process meet on the coordinator's port
+(:mod:`k3jax.runtime.rendezvous`: lines naming who is missing, a one-line
+error at the timeout), then turns on gloo CPU collectives and calls
 ``jax.distributed.initialize`` with a heartbeat timeout
 (``K3JAX_HEARTBEAT_TIMEOUT``, default 10 s) and a start-up timeout
 (``K3JAX_INIT_TIMEOUT``, default 300 s). On the CPU each process simulates

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh
 
 from k3jax.layout import MESH_AXES, ParallelConfig, make_mesh
 from k3jax.tools.kernel_sass import DEQUANT_KERNELS, KStepSass, NoKStepLoop, disassemble, k_step_count
-from k3jax.xla_options import OVERLAP_COMPILER_OPTIONS, OVERLAP_XLA_FLAGS
+from k3jax.xla_options import GPU_COMPILER_OPTIONS, GPU_XLA_FLAGS
 
 TARGET_FILE = Path(__file__).resolve().parents[1] / "data" / "h200.txtpb"
 GPU_COMPILE_EXTRA = "gpu-compile"
@@ -225,6 +225,6 @@ def ptxas_dump() -> Iterator[Callable[[], list[PtxasReport]]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["OVERLAP_COMPILER_OPTIONS", "OVERLAP_XLA_FLAGS", "TARGET_FILE", "GpuCompileUnavailable",
+__all__ = ["GPU_COMPILER_OPTIONS", "GPU_XLA_FLAGS", "TARGET_FILE", "GpuCompileUnavailable",
            "PtxasReport", "h200_mesh", "h200_target_config", "h200_topology", "parse_launch",
            "parse_ptxas", "pin_wheel_ptxas", "ptxas_dump"]

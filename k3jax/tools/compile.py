@@ -5,7 +5,7 @@ The layer is built with the real modules on compile-only H200 devices
 (``k3jax.tools.aot.h200_mesh``) with abstract weights (``AbstractSource``: nothing is
 allocated) and its forward x_TD [T, D] -> y_TD [T, D] goes through XLA's GPU
 pipeline (and, with the Pallas backend, Mosaic GPU and ptxas), with
-``k3jax.tools.aot.OVERLAP_COMPILER_OPTIONS``. The report:
+``k3jax.tools.aot.GPU_COMPILER_OPTIONS``. The report:
 
     per_device_bytes   from the compiler's buffer assignment (memory_analysis):
                        weights      argument bytes of the parameters (the
@@ -47,9 +47,10 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config import K3Config
 from k3jax.formats import ExpertStorage, Mxfp4Format
 from k3jax.layout import NODE, Layout, ParallelConfig, make_layout
+from k3jax.layout.expert_placement import ExpertPlacement
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.tools.aot import (
-    OVERLAP_COMPILER_OPTIONS,
+    GPU_COMPILER_OPTIONS,
     PtxasReport,
     h200_mesh,
     h200_target_config,
@@ -240,26 +241,29 @@ class AbstractLayer:
 
 def abstract_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                    backend: str, dtype: str, expert_dtype: str,
-                   mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> AbstractLayer:
+                   mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST,
+                   expert_placement: ExpertPlacement | None = None) -> AbstractLayer:
     """Check the arguments (ValueError) and build layer ``layer`` abstractly for
     ``tokens`` global rows on the compile-only H200 mesh; layout errors raise
     ``k3jax.layout.LayoutError``."""
     _check(cfg, layer, backend, dtype, expert_dtype)
     return layer_on_mesh(cfg, parallel, layer, h200_mesh(parallel), tokens=tokens,
                          backend=backend, dtype=dtype, expert_dtype=expert_dtype,
-                         mxfp4_dequant=mxfp4_dequant)
+                         mxfp4_dequant=mxfp4_dequant, expert_placement=expert_placement)
 
 
 def layer_on_mesh(cfg: K3Config, parallel: ParallelConfig, layer: int,
                   mesh: Mesh | AbstractMesh, *, tokens: int, backend: str, dtype: str,
-                  expert_dtype: str, mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST
-                  ) -> AbstractLayer:
+                  expert_dtype: str, mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST,
+                  expert_placement: ExpertPlacement | None = None) -> AbstractLayer:
     """Layer ``layer`` built on ``mesh`` with abstract weights (nothing
     allocated) and the input spec for ``tokens`` global rows; the Layout
     resolved for ``tokens`` (Layout.for_tokens). MoE layers keep MXFP4
     experts packed when ``expert_dtype`` is "mxfp4", their scale bytes
     assumed to allow ``mxfp4_dequant`` (abstract weights hold no bytes:
-    FAST, the case of real checkpoints, unless told). What ``compile``,
+    FAST, the case of real checkpoints, unless told), their redundant slots
+    (``parallel.redundant_experts``) placed by ``expert_placement`` (None:
+    for uniform load). What ``compile``,
     ``selfcheck`` and the Triton report trace."""
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -267,7 +271,7 @@ def layer_on_mesh(cfg: K3Config, parallel: ParallelConfig, layer: int,
                else ExpertStorage.DENSE)
     fmt = Mxfp4Format(dequant=mxfp4_dequant) if experts is ExpertStorage.MXFP4 else experts
     layout = make_layout(cfg, parallel, mesh, backend=backend, experts=fmt,
-                         dtype=jnp.dtype(dtype))
+                         dtype=jnp.dtype(dtype), expert_placement=expert_placement)
     module = build_layer(layout, layer, mesh, source=AbstractSource())
     spec = layout.x_TD if tokens % layout.row_shards == 0 else P()
     x_TD = jax.ShapeDtypeStruct((tokens, cfg.hidden_size), jnp.dtype(dtype),
@@ -301,14 +305,16 @@ def planner_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *, dtype:
 def compile_layer(cfg: K3Config, parallel: ParallelConfig, layer: int, *, tokens: int,
                   backend: str = "xla", dtype: str = "bfloat16", expert_dtype: str = "mxfp4",
                   compiler_options: dict | None = None,
-                  mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST) -> CompileReport:
+                  mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST,
+                  expert_placement: ExpertPlacement | None = None) -> CompileReport:
     """Compile layer ``layer``'s forward on ``tokens`` global rows for
     ``parallel.num_devices`` H200s (module docstring). Layout errors raise
     ``k3jax.layout.LayoutError``; bad arguments ValueError; a missing CUDA
     plugin or ptxas ``k3jax.tools.aot.GpuCompileUnavailable``."""
     built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
-                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant)
-    options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
+                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant,
+                           expert_placement=expert_placement)
+    options = GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options
     mesh, layout, x_TD = built.mesh, built.layout, built.x_TD
     graph, state = nnx.split(built.module)
     fn = jax.jit(lambda state, x_TD: nnx.merge(graph, state)(x_TD), compiler_options=options)

@@ -5,7 +5,7 @@ The program is the one ``k3jax.grads.layer_grads`` runs: ``grad_program``'s
 jitted forward of the layer on x_TD [T, D] and its VJP for a cotangent dy_TD
 [T, D] (x's sharding), returning (y_TD, dx_TD, the gradient of every trainable
 weight, each sharded like its weight). It is lowered with abstract weights on
-compile-only H200 devices and compiled with ``k3jax.tools.aot.OVERLAP_COMPILER_OPTIONS``,
+compile-only H200 devices and compiled with ``k3jax.tools.aot.GPU_COMPILER_OPTIONS``,
 as ``k3jax.tools.compile.compile_layer`` compiles the forward. The report has the
 forward's sections; the per-device bytes read:
 
@@ -36,7 +36,8 @@ from k3jax.config import K3Config
 from k3jax.formats import ExpertStorage
 from k3jax.grads import grad_program, param_path, split_trainable
 from k3jax.layout import ParallelConfig
-from k3jax.tools.aot import OVERLAP_COMPILER_OPTIONS, ptxas_dump
+from k3jax.layout.expert_placement import ExpertPlacement
+from k3jax.tools.aot import GPU_COMPILER_OPTIONS, ptxas_dump
 from k3jax.tools.compile import (
     CompileReport,
     _cost,
@@ -86,14 +87,16 @@ def compile_layer_grads(cfg: K3Config, parallel: ParallelConfig, layer: int, *, 
                         backend: str = "xla", dtype: str = "bfloat16",
                         expert_dtype: str = "mxfp4",
                         mxfp4_dequant: Mxfp4Dequant = Mxfp4Dequant.FAST,
-                        compiler_options: dict | None = None) -> GradsCompileReport:
+                        compiler_options: dict | None = None,
+                        expert_placement: ExpertPlacement | None = None) -> GradsCompileReport:
     """Compile layer ``layer``'s forward and VJP on ``tokens`` global rows for
     ``parallel.num_devices`` H200s (module docstring); packed MXFP4 experts'
     scale bytes are taken to allow ``mxfp4_dequant`` (as in
     ``k3jax.tools.compile.compile_layer``). Errors as ``compile_layer``."""
     built = abstract_layer(cfg, parallel, layer, tokens=tokens, backend=backend, dtype=dtype,
-                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant)
-    options = OVERLAP_COMPILER_OPTIONS if compiler_options is None else compiler_options
+                           expert_dtype=expert_dtype, mxfp4_dequant=mxfp4_dequant,
+                           expert_placement=expert_placement)
+    options = GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options
     mesh, layout, module, x_TD = built.mesh, built.layout, built.module, built.x_TD
     _, params, frozen = split_trainable(module)
 

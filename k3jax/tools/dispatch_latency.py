@@ -1,70 +1,72 @@
 """A latency model of one K3 MoE layer under expert parallelism over ep
-H200s on N nodes (G = ep / N a node), for each way of moving the routed
-token rows to their experts and the routed latent back (EpDispatch:
-gather, hierarchical, all-to-all; k3jax.parallel.ep_exchange). A model's prediction,
+H200s on N nodes (G = ep / N a node), for each way of moving the routed rows
+to their experts and the routed latent back (EpDispatch: gather,
+hierarchical, all-to-all; k3jax.parallel.ep_exchange). A model's prediction,
 not a measurement: every figure it gives is labelled as such.
 
 The layer (SP + EP: T global tokens, padded to a multiple of ep, R = T / ep
 own rows a device; row bytes b = 2L (bf16 latent) + 4K (int32 ids) + 4K
-(float32 weights); sums 4L) is k3jax.tools.layer_latency.routed_ops without its
-collectives (router, latent down, the pairs' gather, the two grouped GEMMs
-at kernel_cost's predicted times, the pairs' scatter, norm and latent up:
-the same ops, of the same buffers (ep R rows), in every form), the
-replicated shared expert on own rows (ll.mlp_ops: the compute the transfers
-may hide under; its sharded forms are the shared-expert table's decision),
-and the form's transfers, per device (expected bytes this device sends):
+(float32 weights); sums 4L) is k3jax.tools.layer_latency.routed_ops without
+its collectives (router, latent down, the pairs' gather, the two grouped
+GEMMs at kernel_cost's predicted times, the pairs' scatter, norm, latent up;
+the same buffers (ep R rows) in every form), the replicated shared expert on
+own rows (the compute the transfers may hide under), and the form's
+transfers, per device (expected bytes this device sends):
 
-    gather        one all-gather over all ep devices of rows, ids and
-                  weights (three collectives), a float32 reduce-scatter
-                  back: each moves (ep - 1) R x (bytes a row). An NCCL ring
-                  across nodes enters and leaves each node once per channel,
-                  one channel a NIC, so 1 / G of a device's sends go through
-                  its NIC (N > 1) and the rest over NVLink, both at once;
-    hierarchical  all-gathers over NODE ((N - 1) R b, all InfiniBand), then
-                  inside the node ((G - 1) N R b, NVLink); the reduce-scatter
-                  inside ((G - 1) N R 4L), then over NODE ((N - 1) R 4L);
+    gather        an all-gather over all ep devices of rows, ids and weights
+                  (three collectives), a float32 reduce-scatter back: each
+                  moves (ep - 1) R x (bytes a row). A ring across nodes enters
+                  and leaves each node once per channel, one channel a NIC,
+                  so 1 / G of a device's sends go through its NIC (N > 1), the
+                  rest over NVLink, both at once;
+    hierarchical  all-gathers over NODE ((N - 1) R b, InfiniBand), then inside
+                  the node ((G - 1) N R b, NVLink); the reduce-scatter inside
+                  ((G - 1) N R 4L), then over NODE ((N - 1) R 4L);
     all-to-all    stage A (N > 1): an all-gather of the [N] send counts, then
                   rows, ids, weights (three ragged all-to-alls) to each remote
                   node holding one of a row's experts: R x remote_nodes x b
                   over InfiniBand; stage B: the counts, then R x stage_b_rows x
                   b over NVLink; back B: R x stage_b_rows x 4L; back A:
-                  R x remote_nodes x 4L (k3jax.tools.ep_destinations' expected
-                  figures). Its own HBM work per stage of S = n x rows slots:
-                  packing rows into the worst-case send slots and zeroing the
-                  receive buffer (3 S b bytes), and on the way back zeroing,
-                  masking and summing the returned rows (16 S L bytes).
+                  R x remote_nodes x 4L (k3jax.tools.ep_destinations). Its own
+                  HBM work per stage of S = n x rows slots: packing and zeroing
+                  (3 S b bytes); zeroing, masking and summing the returns
+                  (16 S L bytes).
 
 Assumptions, each stated once here:
 
-  * one collective in flight at a time (XLA's GPU default,
-    xla_gpu_experimental_parallel_collective_overlap_limit = 1), in program
-    order, each paying its fixed cost; k3jax compiles with the all-gather
-    combiner off (k3jax.xla_options), so rows, ids and weights move in three;
-  * a collective's latency is NCCL's own tuning model's, LL protocol
+  * one collective in flight at a time (XLA's GPU default), in program
+    order; k3jax compiles with the all-gather combiner off (k3jax.xla_options),
+    so rows, ids and weights move in three;
+  * a collective's latency is NCCL's tuning model's, LL protocol
     (``latency_s``): a ring over n ranks on N nodes H200.ring_base_latency_s
-    + (n - N) steps of H200.nvlink_step_latency_s (on a ring spanning nodes
-    at least H200.net_step_floor_s) + (N - 1) inter-node steps of
-    H200.ib_step_latency_s (H200.ib_lone_step_latency_s with one rank a
-    node); a ragged all-to-all (point to point, no NCCL figure) the base and
-    one step. Then its bytes: max(NVLink bytes / the NVLink bus rate, NIC
-    bytes / the NIC rate), a collective using both links moving on both at
-    once. The LL latency with the large-message bandwidth is the lower
-    envelope of NCCL's protocols, optimistic between the two regimes;
-  * expected bytes (the routing model's mean), not the slowest device's: a
-    collective ends with its slowest device, so at a few rows a device the
-    all-to-all's figure is optimistic;
+    + (n - N) NVLink steps (at least H200.net_step_floor_s on a ring across
+    nodes) + (N - 1) inter-node steps (H200.ib_lone_step_latency_s with one
+    rank a node); a ragged all-to-all the base and one step. Then its bytes:
+    max(NVLink bytes / NVLink rate, NIC bytes / NIC rate). The LL latency
+    with the large-message bandwidth is optimistic between the two regimes;
+  * a ragged all-to-all costs what XLA's implementation for its group costs
+    (k3jax.tools.ragged_xla): inside a node the one-shot kernel, as above;
+    stage A (peers on different nodes) the per-peer NCCL path: its host work
+    first (the offsets' exchange, two host synchronisations, four
+    device-to-host copies: ``Transfer.meta_s``, the host blocked, so nothing
+    later in program order starts before it ends), then a per-peer cost;
+  * the busiest device sets the layer's time (``Balance``, max / mean pairs
+    a device and a node; BALANCED for the table): its grouped GEMMs hold
+    balance.device x the mean pairs (``busiest_gemm_s``); an all-to-all's
+    stage A carries balance.node x the mean rows, stage B balance.device x;
+    the gathers move every row to every device whatever the balance;
+  * otherwise expected bytes (the routing model's mean): at a few rows a
+    device the all-to-all's figure is optimistic;
   * while a collective moves bytes, compute runs at 1 - s of its speed
-    (k3jax.tools.layer_schedule's rule, with the collective's own HBM bytes per
-    second);
+    (k3jax.tools.layer_schedule's rule, with the collective's own HBM rate);
   * the layer is the better of two program orders (routed scope first, or
     the shared expert first), as in k3jax.tools.layer_latency.
 
-Figures per form (``DispatchEstimate``): ``layer_s`` (the layer's predicted
-time: what ``auto`` compares), ``dispatch_s`` (dispatch + combine alone: the
-transfers back to back and the form's own HBM work), ``exposed_s`` (what
-they add to the layer's common compute, the rest hiding under the shared
-expert) and the bytes on each link. Rates: pallas_kernels.hardware.H200
-(``hardware()`` lists them with their sources).
+Figures per form (``DispatchEstimate``): ``layer_s`` (what ``auto``
+compares), ``dispatch_s`` (dispatch + combine alone, back to back, with the
+form's own HBM work), ``exposed_s`` (what they add to the common compute) and
+the bytes on each link. Rates: pallas_kernels.hardware.H200 and
+k3jax.tools.ragged_xla (``hardware()`` lists them with their sources).
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ import numpy as np
 from k3jax.config import K3Config
 from k3jax.tools import kernel_cost
 from k3jax.tools import layer_latency as ll
+from k3jax.tools import ragged_xla as rx
+from k3jax.tools.dispatch_transfers import (
+    DIRECT,
+    INFINIBAND,
+    NICS_PER_GPU,
+    RING,
+    SCHEDULE_LINK,
+    Transfer,
+    latency_s,
+)
 from k3jax.tools.ep_destinations import (
     BALANCED,
     UNIFORM,
@@ -88,13 +100,9 @@ from k3jax.tools.ep_destinations import (
     expected,
 )
 from k3jax.tools.layer_schedule import (
-    ALL_GATHER_HBM,
-    NVLINK,
     REDUCE_SCATTER_HBM,
-    Link,
     Op,
     Schedule,
-    collective,
     compute,
     simulate,
 )
@@ -106,62 +114,6 @@ TIE_REL = 0.01
 """A form later in FORMS is picked only where the model says it is more than
 this much faster than every earlier one: the model is not finer than about a
 percent."""
-
-INFINIBAND = Link(bytes_per_s=GPU.ib_bus_bytes_per_s, latency_s=GPU.ib_step_latency_s,
-                  sm_share=GPU.collective_sms / GPU.num_sms, hbm_bytes_per_s=GPU.hbm_copy_bytes_per_s)
-"""One GPU's InfiniBand NIC (ConnectX-7, NDR 400 Gb/s) as NCCL drives it;
-``latency_s``: one inter-node step of a ring."""
-NICS_PER_GPU = GPU.nics_per_node // GPU.gpus_per_node
-SCHEDULE_LINK = dataclasses.replace(NVLINK, latency_s=0.0)
-"""The link k3jax.tools.layer_schedule runs the transfers on: each Transfer's
-own latency is part of its time (``Transfer.op``)."""
-RING, DIRECT = "ring", "direct"
-
-ONE_SHOT, NCCL_FALLBACK = "one-shot", "nccl-fallback"
-ONE_SHOT_MAX_PEERS = 8
-"""XLA's GPU one-shot ragged-all-to-all kernel holds at most 8 output
-pointers (RaggedAllToAllKernelImpl's std::array<void*, 8>) and needs every
-peer on the host (ragged_all_to_all_thunk.cc: is_local)."""
-HOST_ROUND_TRIP_S = 6e-6
-"""One small device-to-host copy, or one host synchronisation, seen from the
-host: 5-7 us a cudaMemcpyAsync call (DualPath, arXiv 2602.21548, section
-5.2); a stream synchronisation taken as the same (an assumption)."""
-METADATA_COPIES, HOST_SYNCS = 4, 2
-"""XLA's NCCL path copies the four offset / size arrays to the host and
-blocks the host twice (after the all-to-all of the output offsets, after the
-copies): ragged_all_to_all_thunk.cc, LoadRaggedTensorMetadata and
-RunAllToAllOnIndexBuffer."""
-FALLBACK_PER_PEER_S = 12e-6
-"""The NCCL path's cost per (update, peer) slot, even an empty one: about
-12 us (openxla/xla#46982, A100, jax 0.10.0). k3jax's stages send one update
-a peer."""
-
-
-def ragged_path(ranks: int, nodes: int) -> str:
-    """Which of XLA's GPU ragged-all-to-all implementations a group of
-    ``ranks`` devices on ``nodes`` nodes runs at the pinned XLA (docs/latency.md):
-    the one-shot kernel inside one node for up to ONE_SHOT_MAX_PEERS peers,
-    else the per-peer NCCL send / recv path (which XLA at jaxlib 0.11.2 runs
-    only with xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback)."""
-    return ONE_SHOT if nodes == 1 and ranks <= ONE_SHOT_MAX_PEERS else NCCL_FALLBACK
-
-
-def latency_s(pattern: str, ranks: int, nodes: int) -> float:
-    """NCCL's LL-protocol latency of one collective over ``ranks`` devices on
-    ``nodes`` nodes (module docstring): a ring of ranks - 1 steps, nodes - 1
-    of them between nodes; a direct exchange (all-to-all) one step."""
-    if nodes < 1 or ranks < nodes or ranks % nodes:
-        raise ValueError(f"latency_s: {ranks} ranks cannot spread evenly over {nodes} nodes")
-    inter_step = GPU.ib_lone_step_latency_s if ranks == nodes else INFINIBAND.latency_s
-    if pattern == DIRECT:
-        return GPU.ring_base_latency_s + (inter_step if nodes > 1 else GPU.nvlink_step_latency_s)
-    if pattern != RING:
-        raise ValueError(f"latency_s: pattern must be {RING!r} or {DIRECT!r}, got {pattern!r}")
-    inter = nodes - 1
-    step = GPU.nvlink_step_latency_s if nodes == 1 else max(GPU.nvlink_step_latency_s,
-                                                            GPU.net_step_floor_s)
-    return GPU.ring_base_latency_s + (ranks - 1 - inter) * step + inter * inter_step
-
 
 def forms_for(nodes: int) -> tuple[str, ...]:
     """The forms a layout over ``nodes`` nodes can run (hierarchical needs > 1)."""
@@ -178,72 +130,6 @@ def check_layout(cfg: K3Config, ep: int, nodes: int, tokens: int) -> None:
     if ep // nodes > GPU.gpus_per_node:
         raise ValueError(f"ep {ep} over {nodes} node(s) puts {ep // nodes} devices on a node; "
                          f"a node has {GPU.gpus_per_node}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """One collective of a form: the expected bytes this device sends on
-    each link, the devices and nodes it spans, its HBM bytes per wire byte."""
-
-    name: str
-    kind: str                   # "all-gather" | "reduce-scatter" | "ragged-all-to-all"
-    nvlink_bytes: float
-    ib_bytes: float
-    ranks: int
-    nodes: int
-    hbm_per_wire: float = ALL_GATHER_HBM
-
-    @property
-    def path(self) -> str | None:
-        """A ragged all-to-all's XLA implementation (``ragged_path``)."""
-        return ragged_path(self.ranks, self.nodes) if self.kind == "ragged-all-to-all" else None
-
-    @property
-    def meta_s(self) -> float:
-        """The NCCL path's work before any row moves, the host blocked: an
-        all-to-all of the output offsets (a direct exchange), HOST_SYNCS host
-        synchronisations and METADATA_COPIES device-to-host copies."""
-        if self.path != NCCL_FALLBACK:
-            return 0.0
-        return (latency_s(DIRECT, self.ranks, self.nodes)
-                + (HOST_SYNCS + METADATA_COPIES) * HOST_ROUND_TRIP_S)
-
-    @property
-    def latency_s(self) -> float:
-        """NCCL's latency (module docstring); the NCCL path adds
-        FALLBACK_PER_PEER_S a peer."""
-        own = latency_s(DIRECT if self.kind == "ragged-all-to-all" else RING, self.ranks,
-                        self.nodes)
-        return own + (self.ranks * FALLBACK_PER_PEER_S if self.path == NCCL_FALLBACK else 0.0)
-
-    @property
-    def wire_s(self) -> float:
-        """Moving the bytes alone: both links at once, the slower one decides."""
-        return max(self.nvlink_bytes / NVLINK.bytes_per_s, self.ib_bytes / INFINIBAND.bytes_per_s)
-
-    @property
-    def seconds(self) -> float:
-        """Alone on an idle GPU: the NCCL path's host work, latency, then the bytes."""
-        return self.meta_s + self.latency_s + self.wire_s
-
-    def op(self, *deps: str) -> Op:
-        """This transfer's rows on SCHEDULE_LINK: latency + bytes as
-        NVLink-rate bytes, with the HBM bytes per second it really moves (so
-        the slowdown rule sees the right rate; compute under its latency runs
-        slowed too, a small pessimism)."""
-        wire = (self.latency_s + self.wire_s) * SCHEDULE_LINK.bytes_per_s
-        moved = self.nvlink_bytes + self.ib_bytes
-        return collective(self.name, wire, *deps, hbm_per_wire=self.hbm_per_wire * moved / wire)
-
-    def ops(self, *deps: str) -> list[Op]:
-        """``op`` after, on the NCCL path, its host work (``{name}.meta``, a
-        link op that moves nothing: compute under it slows by the collective's
-        SM share only); the host is blocked until it ends."""
-        if not self.meta_s:
-            return [self.op(*deps)]
-        meta = collective(f"{self.name}.meta", self.meta_s * SCHEDULE_LINK.bytes_per_s, *deps,
-                          hbm_per_wire=0.0)
-        return [meta, self.op(meta.name)]
 
 
 def _pieces(cfg: K3Config) -> tuple[tuple[str, int], ...]:
@@ -422,20 +308,6 @@ class DispatchEstimate:
                               for t in self.transfers]}
 
 
-def host_ordered(ops: list[Op]) -> list[Op]:
-    """``ops`` in program order, each op after a host-blocking one (an NCCL
-    path's ``.meta``) made to wait for it: the host issues nothing further
-    until it returns (work issued before runs on)."""
-    out, blocker = [], None
-    for op in ops:
-        if blocker is not None and blocker not in op.deps:
-            op = dataclasses.replace(op, deps=op.deps + (blocker,))
-        out.append(op)
-        if op.name.endswith(".meta"):
-            blocker = op.name
-    return out
-
-
 @functools.lru_cache(maxsize=4096)
 def estimate(cfg: K3Config, tokens: int, ep: int, nodes: int, form: str,
              routing: Routing = UNIFORM, balance: Balance = BALANCED) -> DispatchEstimate:
@@ -449,7 +321,7 @@ def estimate(cfg: K3Config, tokens: int, ep: int, nodes: int, form: str,
     rows = math.ceil(tokens / ep)
     dest = expected(cfg.num_experts, cfg.num_experts_per_token, ep, nodes, routing)
     routed, shared, moved = layer_ops(cfg, form, ep, nodes, rows, dest, balance)
-    best = min((simulate(host_ordered(ops), SCHEDULE_LINK)
+    best = min((simulate(rx.host_ordered(ops), SCHEDULE_LINK)
                 for ops in (routed + shared, shared + routed)), key=lambda s: s.end_s)
     work = [op for op in routed + shared if not op.is_collective]
     common = sum(op.seconds for op in work if op.name in COMMON_OPS)
@@ -496,21 +368,6 @@ def curves(cfg: K3Config, layouts, tokens, routing: Routing = UNIFORM,
     return out
 
 
-RAGGED_SOURCES = {
-    "one_shot_max_peers": "XLA GPU RaggedAllToAllKernelImpl (std::array<void*, 8> of outputs) in "
-                          "jax-cuda13-plugin 0.11.2's xla_cuda_plugin.so; ragged_all_to_all_thunk.cc "
-                          "IsOneShotKernelSupported / is_local (docs/latency.md)",
-    "host_round_trip_s": "5-7 us per cudaMemcpyAsync call (DualPath, arXiv 2602.21548, section 5.2); "
-                         "a stream synchronisation assumed the same",
-    "metadata_copies": "ragged_all_to_all_thunk.cc LoadRaggedTensorMetadata (4 arrays copied, then "
-                       "BlockHostUntilDone)",
-    "host_syncs": "ragged_all_to_all_thunk.cc RunAllToAllOnIndexBuffer and "
-                  "LoadRaggedTensorMetadata (BlockHostUntilDone each)",
-    "fallback_per_peer_s": "about 12 us per (update, peer) slot of the NCCL path, empty or not "
-                           "(openxla/xla#46982, A100, jax 0.10.0)",
-}
-
-
 def hardware() -> dict:
     """The model's link figures with their sources (the --json "hardware" object)."""
     figures = {"nvlink_bus_bytes_per_s": GPU.nvlink_bus_bytes_per_s,
@@ -524,20 +381,14 @@ def hardware() -> dict:
                "net_step_floor_s": GPU.net_step_floor_s,
                "collective_sms": GPU.collective_sms, "num_sms": GPU.num_sms,
                "hbm_copy_bytes_per_s": GPU.hbm_copy_bytes_per_s}
-    ragged = {"one_shot_max_peers": ONE_SHOT_MAX_PEERS, "host_round_trip_s": HOST_ROUND_TRIP_S,
-              "metadata_copies": METADATA_COPIES, "host_syncs": HOST_SYNCS,
-              "fallback_per_peer_s": FALLBACK_PER_PEER_S}
-    return {"name": GPU.name, **figures, **ragged,
+    return {"name": GPU.name, **figures, **rx.figures(),
             "sources": {**{k: GPU.sources.get(k, GPU.sources["chip"]) for k in figures},
-                        **RAGGED_SOURCES},
+                        **rx.SOURCES},
             "expert_gemms": "k3jax.tools.kernel_cost.launch_cost predicted times, balanced routing "
                             "(k3jax.tools.layer_latency.routed_gemm_s; a model)",
             "tie_rel": TIE_REL}
 
 
-__all__ = ["COMMON_OPS", "DIRECT", "FALLBACK_PER_PEER_S", "FORMS", "HOST_ROUND_TRIP_S", "HOST_SYNCS",
-           "INFINIBAND", "METADATA_COPIES", "NCCL_FALLBACK", "ONE_SHOT", "ONE_SHOT_MAX_PEERS",
-           "RAGGED_SOURCES", "RING", "SCHEDULE_LINK", "TIE_REL", "DispatchEstimate", "Transfer",
-           "auto_form", "busiest_gemm_s", "check_layout", "curves", "estimate", "forms_for",
-           "hardware", "host_ordered", "latency_s", "layer_ops", "ragged_path", "sweep",
-           "transfers"]
+__all__ = ["COMMON_OPS", "DIRECT", "FORMS", "INFINIBAND", "RING", "SCHEDULE_LINK", "TIE_REL",
+           "DispatchEstimate", "Transfer", "auto_form", "busiest_gemm_s", "check_layout", "curves",
+           "estimate", "forms_for", "hardware", "latency_s", "layer_ops", "sweep", "transfers"]

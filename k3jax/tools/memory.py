@@ -1,4 +1,6 @@
-"""Per-device parameter bytes, read from a module's placed (or abstract) arrays.
+"""Per-device parameter bytes, read from a module's placed (or abstract) arrays:
+every weight it holds (k3jax.variables.WEIGHTS: nnx.Params, the router bias,
+packed experts).
 
 The planner and ``k3jax run`` both use this, so the bytes a plan reports are
 the bytes the modules allocate.
@@ -12,12 +14,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from k3jax.variables import WEIGHTS
+
 
 def param_shard_shapes(module: nnx.Module) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{"shared.gate_DF": (one device's shard shape, dtype), ...}. Works on real
     arrays and on ShapeDtypeStructs that carry a sharding."""
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(module, WEIGHTS)):
         value = var.get_value()
         out[".".join(map(str, path))] = (tuple(value.sharding.shard_shape(tuple(value.shape))),
                                          np.dtype(value.dtype))
@@ -33,7 +37,7 @@ def param_shard_bytes(module: nnx.Module) -> dict[str, int]:
 def addressable_bytes_per_device(module: nnx.Module) -> dict[jax.Device, int]:
     """Bytes of parameter shards actually resident on each local device."""
     totals: dict[jax.Device, int] = {}
-    for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+    for _, var in nnx.to_flat_state(nnx.state(module, WEIGHTS)):
         for shard in var.get_value().addressable_shards:
             totals[shard.device] = totals.get(shard.device, 0) + shard.data.nbytes
     return totals

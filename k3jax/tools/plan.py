@@ -44,6 +44,7 @@ from k3jax.layout import (
     abstract_mesh,
     make_layout,
 )
+from k3jax.layout.expert_placement import ExpertPlacement
 from k3jax.modules import AbstractSource, build_layer
 from k3jax.tools.memory import param_shard_bytes, param_shard_shapes
 from k3jax.tools.plan_collectives import (
@@ -56,7 +57,11 @@ from k3jax.tools.plan_collectives import (
 
 WEIGHT_DTYPES = ("bfloat16", "float32")
 EXPERT_DTYPES = ("mxfp4", "bfloat16", "float32")
-COMPONENTS = ("dense_mlp", "shared_experts", "router", "latent_projections", "routed_experts")
+COMPONENTS = ("dense_mlp", "shared_experts", "router", "latent_projections", "routed_experts",
+              "redundant_experts")
+"""redundant_experts: the bytes the R redundant slots add to a device
+(``ParallelConfig.redundant_experts``): R / (E + R) of its slots, the
+routed experts' share without them under routed_experts."""
 _MOE_COMPONENT = {"router_DE": "router", "router_bias_E": "router",
                   "lat_down_DL": "latent_projections", "lat_up_LD": "latent_projections",
                   "lat_norm_L": "latent_projections"}
@@ -80,15 +85,18 @@ def _moe_component(path: str) -> str:
 # Modules, built abstractly
 # --------------------------------------------------------------------------
 def planning_layout(cfg: K3Config, parallel: ParallelConfig, *, dtype: str = "bfloat16",
-                    expert_dtype: str = "mxfp4") -> Layout:
+                    expert_dtype: str = "mxfp4",
+                    expert_placement: ExpertPlacement | None = None) -> Layout:
     """The Layout the planner reads: weights in ``dtype``, routed experts
     packed MXFP4 when ``expert_dtype`` is "mxfp4" (else dense), backend xla
-    (its modules are abstract: nothing runs). Raises ExpertShardError when
-    packed experts cannot be split over ``parallel``."""
+    (its modules are abstract: nothing runs), redundant slots placed by
+    ``expert_placement`` (bytes do not depend on the placement, only on R).
+    Raises ExpertShardError when packed experts cannot be split over
+    ``parallel``."""
     _check_dtypes(dtype, expert_dtype)
     experts = ExpertStorage.MXFP4 if expert_dtype == "mxfp4" else ExpertStorage.DENSE
     return make_layout(cfg, parallel, abstract_mesh(parallel), backend="xla", experts=experts,
-                       dtype=jnp.dtype(dtype))
+                       dtype=jnp.dtype(dtype), expert_placement=expert_placement)
 
 
 def abstract_layer(layout: Layout, layer: int):
@@ -124,6 +132,9 @@ def plan_layer_bytes(cfg: K3Config, parallel: ParallelConfig, layer: int, *,
     for path, nbytes in layer_param_bytes(cfg, parallel, layer, dtype=dtype,
                                           expert_dtype=expert_dtype).items():
         out[_moe_component(path) if cfg.is_moe_layer(layer) else "dense_mlp"] += nbytes
+    R = parallel.redundant_experts   # every device holds (E + R) / ep slots of equal bytes
+    out["redundant_experts"] = out["routed_experts"] * R // (cfg.num_experts + R)
+    out["routed_experts"] -= out["redundant_experts"]
     return out
 
 
@@ -200,6 +211,7 @@ class Plan:
                          "expert_parallel": par.expert_parallel, "ep": par.ep,
                          "shard_shared_expert": par.shard_shared_expert,
                          "pad_under_ep": par.pad_under_ep,
+                         "redundant_experts": par.redundant_experts,
                          "shared_overlap": par.shared_overlap.value,
                          "shared_scatter_dtype": par.shared_scatter_dtype},
             "layout": {"dense_mlp": lay.dense_mlp.mode.value, "shared_expert": lay.shared_mlp.mode.value,
@@ -233,10 +245,13 @@ class Plan:
 
 
 def make_plan(cfg: K3Config, parallel: ParallelConfig, *, tokens: int = 256,
-              dtype: str = "bfloat16", expert_dtype: str = "mxfp4", source: str = "") -> Plan:
-    """Plan ``cfg`` on ``parallel``. Raises ValueError for a layout the mesh
-    cannot hold (e.g. an EP size that does not divide the experts)."""
-    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype).for_tokens(tokens)
+              dtype: str = "bfloat16", expert_dtype: str = "mxfp4", source: str = "",
+              expert_placement: ExpertPlacement | None = None) -> Plan:
+    """Plan ``cfg`` on ``parallel`` (``expert_placement``: the redundant
+    slots' placement the layout shows). Raises ValueError for a layout the
+    mesh cannot hold (e.g. an EP size that does not divide the experts)."""
+    layout = planning_layout(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype,
+                             expert_placement=expert_placement).for_tokens(tokens)
     totals, per_layer = model_bytes(cfg, parallel, dtype=dtype, expert_dtype=expert_dtype)
     comparisons = _comparisons(cfg, parallel, layout, totals, dtype, expert_dtype)
     return Plan(cfg=cfg, parallel=parallel, layout=layout, source=source, tokens=tokens,
