@@ -182,7 +182,8 @@ def test_combiners_merge_the_shared_experts_collectives_unless_told_not_to():
     none) XLA's combiners fold the shared expert's
     all-gather and reduce-scatter into the routed path's (one collective
     carrying both scopes, which then cannot overlap the other branch)."""
-    assert all(v == 0 for v in GPU_COMPILER_OPTIONS.values())
+    assert GPU_COMPILER_OPTIONS["xla_gpu_all_gather_combine_threshold_bytes"] == 0
+    assert GPU_COMPILER_OPTIONS["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 0
     merged = tiny_shared_collectives(combine=True)
     assert merged and all(c.parts > 1 and in_scope(c.op_name, ROUTED_SCOPE) for c in merged)
     separate = tiny_shared_collectives(combine=False)

@@ -209,6 +209,11 @@ def test_04_training_and_load_balancing(executed):
     assert off["idle_experts_final"] >= 8 and on["idle_experts_final"] == 0   # measured 10 vs 0
     assert on["bias_spread"] > off["bias_spread"]                 # only balancing moves the bias
     assert on["loss_final"] < 1.25 * off["loss_final"]
+    # redundant experts (R = 8) placed for the load left at the end: never a busier device,
+    # and a calmer one where the bias update did not even the load out
+    for run in (off, on):
+        assert run["device_imbalance_placed_r8"] <= run["device_imbalance_placed_r0"]
+    assert off["device_imbalance_placed_r8"] < off["device_imbalance_placed_r0"]
 
 
 # -- as a script: execute and keep the outputs -----------------------------------

@@ -213,11 +213,11 @@ def test_moe_layer_lowers_and_compiles_for_cuda():
                                     sharding=NamedSharding(mesh, PartitionSpec()))
 
     with triton_target(80):  # A100: lowered only (XLA's GPU compiler here targets the H200)
-        lowered = forward.trace(x_spec(37), weights).lower()
+        lowered = jax.jit(forward).trace(x_spec(37), weights).lower()
     expected = ["grouped_situ_glu_kernel", "grouped_matmul_kernel", "grouped_situ_glu_kernel"]
     assert _triton_calls(lowered) == [("sm_80", k) for k in expected]  # routed up, down, shared
     with triton_target(90):  # H200: through XLA's GPU pipeline (deviceless)
-        lowered = forward.trace(x_spec(40), weights).lower()
+        lowered = jax.jit(forward).trace(x_spec(40), weights).lower()
         assert _triton_calls(lowered) == [("sm_90a", k) for k in expected]
         hlo = lowered.compile().as_text()
     assert len(re.findall(r'custom_call_target="triton_kernel_call"', hlo)) == 3
