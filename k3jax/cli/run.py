@@ -258,12 +258,13 @@ def _in_sequence(graphdefs, states, x):
     import jax.numpy as jnp
     from flax import nnx
 
+    from k3jax.modules import KimiMoE
     from k3jax.modules.router_stats import RouterStats, expert_loads
 
     loads = []
     for graphdef, state in zip(graphdefs, states):
         module = nnx.merge(graphdef, state)
-        if getattr(module, "router_stats", False):
+        if isinstance(module, KimiMoE) and module.router_stats:
             x, stats = nnx.capture(module, RouterStats)(x)
             loads.append(expert_loads(stats)[()])
         else:
@@ -274,7 +275,9 @@ def _in_sequence(graphdefs, states, x):
 
 def _stats_on(module, on: bool):
     """``module`` with its router statistics ``on`` (MoE layers; a dense one as it is)."""
-    if hasattr(module, "router_stats"):
+    from k3jax.modules import KimiMoE
+
+    if isinstance(module, KimiMoE):
         module.router_stats = on
     return module
 
